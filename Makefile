@@ -1,0 +1,40 @@
+# fedvox — two commands on a fresh machine:
+#   make demo   generate the embedded corpus, train, evaluate, write a report
+#   make test   run the test suite
+# Each installs what it needs into .venv first (torch pinned to the local CPU wheel).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.fedvox-installed
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first and exactly: any looser request would pull a multi-GB CUDA build
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/fedvox demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_generate.py
+	$(BIN)/python benchmarks/bench_features.py
+	$(BIN)/python benchmarks/bench_threads.py
+
+clean:
+	rm -rf $(VENV) .cache runs

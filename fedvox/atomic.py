@@ -1,0 +1,52 @@
+"""Atomic file writes: a result or checkpoint is either the old file or the whole new one.
+
+Every write that matters (checkpoints, metrics tables, reports, caches) goes through here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+
+def atomic_write(path: str | Path, writer: Callable[[IO[bytes]], None]) -> Path:
+    """Write via `writer(fileobj)` into a temp file beside `path`, fsync, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            writer(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Atomically replace `path` with `data`."""
+    return atomic_write(path, lambda f: f.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Atomically replace `path` with UTF-8 `text`."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes (checkpoint integrity)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

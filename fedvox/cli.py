@@ -1,0 +1,359 @@
+"""The one entry point: `fedvox <command>`. Parses options, calls the experiment layer.
+
+Every user mistake surfaces as a FedvoxError message (file, field, fix), never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fedvox.errors import FedvoxError
+
+app = typer.Typer(
+    name="fedvox",
+    help=(
+        "Federated x-vector speaker verification, reproducible to the bit.\n\n"
+        "Start with `fedvox demo`: it generates the embedded synthetic corpus, trains an "
+        "x-vector, evaluates it on held-out speakers and writes a run folder with a report."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help='Override a config field, e.g. --set train.steps=500 --set model.name="ecapa-small" '
+        "(value in TOML syntax; repeatable).",
+    ),
+]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+
+
+def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
+    from fedvox.experiment.config import (
+        ExperimentConfig,
+        config_from_dict,
+        load_config,
+        parse_override,
+        set_dotted,
+    )
+
+    overrides = dict(parse_override(s) for s in (sets or []))
+    if path is not None:
+        cfg = load_config(path, overrides)
+    else:
+        d = ExperimentConfig().to_dict()
+        d = {k: v for k, v in d.items()}
+        for k, v in overrides.items():
+            set_dotted(d, k, v)
+        cfg = config_from_dict(_strip_none(d), source="defaults + --set")
+    if name is not None and path is None:
+        cfg = cfg.model_copy(update={"name": name})
+    return cfg
+
+
+def _strip_none(x):
+    if isinstance(x, dict):
+        return {k: _strip_none(v) for k, v in x.items() if v is not None}
+    return x
+
+
+def _free_run_dir(base: Path) -> Path:
+    """`base`, or `base-2`, `base-3`… — a demo never overwrites an earlier run."""
+    if not base.exists() or not any(base.iterdir()):
+        return base
+    i = 2
+    while (p := base.with_name(f"{base.name}-{i}")).exists():
+        i += 1
+    return p
+
+
+def _print_outcome(outcome) -> None:
+    t = Table(title=f"held-out speakers — {outcome.run.path}")
+    for col in ("system", "EER", "minDCF p=0.01", "minDCF p=0.05"):
+        t.add_column(col)
+    for name, m in outcome.result.metrics.items():
+        t.add_row(
+            f"x-vector + {name}",
+            f"{100 * m.eer:.2f}%",
+            f"{m.min_dcf_01:.3f}",
+            f"{m.min_dcf_05:.3f}",
+        )
+    if outcome.curve:
+        c = outcome.curve[0]
+        t.add_row(
+            f"barely trained (step {c['step']})",
+            f"{100 * c['eer']:.2f}%",
+            f"{c['min_dcf_01']:.3f}",
+            f"{c['min_dcf_05']:.3f}",
+        )
+    if outcome.baseline:
+        b = outcome.baseline
+        t.add_row(
+            "non-learned baseline",
+            f"{100 * b['eer']:.2f}%",
+            f"{b['min_dcf_01']:.3f}",
+            f"{b['min_dcf_05']:.3f}",
+        )
+    out.print(t)
+    out.print(f"report: {outcome.run.report_path}   ({outcome.seconds:.0f} s)")
+
+
+@app.command()
+def demo(
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Run folder (a free name is chosen if it exists).")
+    ] = Path("runs/demo"),
+    sets: SetOpt = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate the embedded corpus if absent, extract features, train, evaluate, report.
+
+    Uses the default config (print it with `fedvox config`); change any field with --set.
+    Prints EER and minDCF of the trained x-vector, a barely trained one and the non-learned
+    baseline on held-out speakers.
+    """
+    from fedvox.experiment.runner import run_experiment
+
+    cfg = _config(None, sets, name="demo")
+    outcome = run_experiment(cfg, _free_run_dir(out_dir), progress=not quiet)
+    _print_outcome(outcome)
+
+
+@app.command()
+def prepare(
+    config: Annotated[
+        Path | None, typer.Argument(help="Config TOML (default: the built-in demo config).")
+    ] = None,
+    sets: SetOpt = None,
+    baseline: Annotated[
+        bool, typer.Option(help="Also score the non-learned baseline (fbank mean+std, cosine).")
+    ] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate or load the corpora and cache their features; print a summary.
+
+    With the default config this builds the embedded synthetic corpus (cached under
+    data.cache_dir, keyed by its settings) and its trial list.
+    """
+    from fedvox.experiment.evaluate import evaluate_baseline
+    from fedvox.experiment.prepare import prepare as do_prepare
+
+    cfg = _config(config, sets)
+    data = do_prepare(cfg, progress=not quiet)
+    dur = sum(f.shape[0] for f in data.train_feats.values()) / 100 / 3600
+    t = Table(title="prepared data")
+    t.add_column("")
+    t.add_column("value")
+    t.add_row("corpus", str(data.corpus_dir or cfg.data.train))
+    t.add_row(
+        "train speakers / utterances", f"{len(data.train_speakers())} / {len(data.train_feats)}"
+    )
+    t.add_row("train speech after VAD", f"{dur:.2f} h")
+    t.add_row(
+        "test speakers / utterances", f"{len(data.test_corpus.speakers())} / {len(data.test_feats)}"
+    )
+    labels = data.trials.labels()
+    t.add_row("trials (target / nontarget)", f"{int(labels.sum())} / {int((~labels).sum())}")
+    t.add_row(
+        "features", f"{data.feat_dim}-dim log-mel, VAD {cfg.features.vad}, CMN {cfg.features.cmn}"
+    )
+    if baseline:
+        m = evaluate_baseline(data.train_feats, data.test_feats, data.trials)
+        t.add_row("baseline EER / minDCF(0.01)", f"{100 * m.eer:.2f}% / {m.min_dcf_01:.3f}")
+    out.print(t)
+
+
+@app.command()
+def train(
+    config: Annotated[
+        Path, typer.Argument(help="Experiment config (TOML). `fedvox config` prints the defaults.")
+    ],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run folder (default runs/<config name>).")
+    ] = None,
+    sets: SetOpt = None,
+    overwrite: Annotated[bool, typer.Option(help="Reuse an existing run folder.")] = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Train an extractor centrally on a config and evaluate it; writes a run folder.
+
+    The folder holds config.toml (resolved), manifest.json, metrics.jsonl, checkpoints/,
+    model.pt, backend/, metrics.json, det.png and report.md. Same config + seed → same bits.
+    """
+    from fedvox.experiment.runner import run_experiment
+
+    cfg = _config(config, sets)
+    outcome = run_experiment(
+        cfg, out_dir or Path("runs") / cfg.name, progress=not quiet, overwrite=overwrite
+    )
+    _print_outcome(outcome)
+
+
+@app.command()
+def resume(
+    run: Annotated[
+        Path, typer.Argument(help="Run folder of an interrupted `fedvox train`/`demo`.")
+    ],
+    quiet: QuietOpt = False,
+) -> None:
+    """Continue an interrupted run from its newest valid checkpoint.
+
+    Ends with the same weights an uninterrupted run would have; a torn checkpoint is
+    skipped with a warning.
+    """
+    from fedvox.experiment.runner import resume_experiment
+
+    _print_outcome(resume_experiment(run, progress=not quiet))
+
+
+@app.command("eval")
+def eval_cmd(
+    run: Annotated[Path, typer.Argument(help="Trained run folder.")],
+    data: Annotated[
+        Path,
+        typer.Option(
+            "--data",
+            help="Evaluation data: Kaldi data dir, VoxCeleb or LibriSpeech folder, or raw.list.",
+        ),
+    ],
+    trials: Annotated[
+        Path,
+        typer.Option(
+            "--trials",
+            help="Trial list: VoxCeleb '1 a.wav b.wav' or Kaldi 'utt1 utt2 target|nontarget'.",
+        ),
+    ],
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out", help="Where to write metrics/report (default RUN/eval/<data name>)."),
+    ] = None,
+    backend: Annotated[
+        list[str] | None,
+        typer.Option(help="Back ends: cosine, asnorm, plda (repeatable; default: the run's)."),
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Score a trial list on any data dir with a trained run (EER, minDCF, DET plot)."""
+    from fedvox.experiment.runner import evaluate_run
+
+    result, where = evaluate_run(
+        run, data, trials, out_dir, tuple(backend) if backend else None, progress=not quiet
+    )
+    t = Table(title=f"{data} — {len(result.labels)} trials")
+    for col in ("back end", "EER", "minDCF p=0.01", "minDCF p=0.05"):
+        t.add_column(col)
+    for name, m in result.metrics.items():
+        t.add_row(name, f"{100 * m.eer:.2f}%", f"{m.min_dcf_01:.3f}", f"{m.min_dcf_05:.3f}")
+    out.print(t)
+    out.print(f"report: {where / 'report.md'}")
+
+
+@app.command()
+def enroll(
+    run: Annotated[Path, typer.Argument(help="Trained run folder.")],
+    wavs: Annotated[
+        list[Path], typer.Argument(help="Enrollment recordings of one speaker (16 kHz mono wav).")
+    ],
+    speaker: Annotated[str, typer.Option(help="Name stored in the profile.")] = "speaker",
+    out_path: Annotated[Path, typer.Option("--out", help="Profile file to write (JSON).")] = Path(
+        "profile.json"
+    ),
+) -> None:
+    """Make a speaker profile from enrollment wavs (mean of normalised embeddings)."""
+    from fedvox.experiment.enroll import enroll as do_enroll
+
+    profile = do_enroll(run, wavs, speaker)
+    profile.save(out_path)
+    out.print(f"enrolled '{speaker}' from {len(wavs)} recording(s) → {out_path}")
+
+
+@app.command()
+def verify(
+    profile: Annotated[Path, typer.Argument(help="Profile written by `fedvox enroll`.")],
+    wav: Annotated[Path, typer.Argument(help="Test recording (16 kHz mono wav).")],
+    run: Annotated[
+        Path | None, typer.Option(help="Run folder (default: the one the profile was made with).")
+    ] = None,
+    threshold: Annotated[
+        float | None, typer.Option(help="Override the calibrated threshold (cosine score).")
+    ] = None,
+) -> None:
+    """Score a wav against a profile: accept or reject at the run's calibrated threshold.
+
+    The threshold is the EER operating point measured on the run's evaluation trials.
+    Exit status 0 = accepted, 1 = rejected.
+    """
+    from fedvox.experiment.enroll import Profile
+    from fedvox.experiment.enroll import verify as do_verify
+
+    p = Profile.load(profile)
+    d = do_verify(p, wav, run, threshold)
+    verdict = "ACCEPT" if d.accept else "REJECT"
+    out.print(
+        f"{verdict}  score {d.score:.4f}  threshold {d.threshold:.4f}  ('{p.speaker}' vs {wav})"
+    )
+    raise typer.Exit(0 if d.accept else 1)
+
+
+@app.command()
+def export(
+    run: Annotated[Path, typer.Argument(help="Trained run folder.")],
+    out_path: Annotated[Path, typer.Option("--out", help="TorchScript file to write.")] = Path(
+        "extractor.ts.pt"
+    ),
+) -> None:
+    """Export the extractor to TorchScript (input: features, batch x frames x bins).
+
+    Features must be computed as the run's config says (fbank, sliding CMN, VAD); the
+    exported module maps them to embeddings and loads with torch.jit.load, no fedvox needed.
+    """
+    from fedvox.experiment.export import export_torchscript
+
+    path, n = export_torchscript(run, out_path)
+    out.print(f"exported TorchScript extractor → {path} (max |diff| vs eager {n:.2e})")
+
+
+@app.command()
+def config(
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Write to a file instead of printing.")
+    ] = None,
+) -> None:
+    """Print the default experiment config (TOML) — a starting point for `fedvox train`."""
+    from fedvox.atomic import atomic_write_text
+    from fedvox.experiment.config import ExperimentConfig, dump_toml
+
+    text = dump_toml(ExperimentConfig())
+    if out_path:
+        atomic_write_text(out_path, text)
+        out.print(f"wrote {out_path}")
+    else:
+        print(text, end="")
+
+
+def main() -> None:
+    """Console entry point: user errors become one clear line and exit status 2."""
+    try:
+        app()
+    except FedvoxError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""The typed experiment config: one TOML file plus a seed describes a whole run.
+
+Validated once at the edge (load time) with errors that name the field; the rest of fedvox
+receives typed values, never raw dictionaries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedvox.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    """Unknown keys are errors: a typo must not silently fall back to a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SyntheticSection(_Strict):
+    """Settings of the embedded synthetic corpus (see docs/synthetic.md)."""
+
+    seed: int = 0
+    n_train_speakers: int = Field(200, ge=2)
+    n_test_speakers: int = Field(40, ge=2)
+    train_utts_per_speaker: int = Field(16, ge=2)
+    test_utts_per_speaker: int = Field(8, ge=2)
+    min_duration_s: float = Field(2.5, gt=0)
+    max_duration_s: float = Field(5.0, gt=0)
+    difficulty: Literal["clean", "mild", "hard"] = "mild"
+    nontarget_ratio: int = Field(10, ge=1)
+
+    @model_validator(mode="after")
+    def _durations(self) -> SyntheticSection:
+        if self.max_duration_s < self.min_duration_s:
+            raise ValueError("max_duration_s must be >= min_duration_s")
+        return self
+
+
+class DataSection(_Strict):
+    """Where training and evaluation audio come from.
+
+    `train = "synthetic"` uses the embedded generator; otherwise it is a path to a Kaldi data
+    dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list. `test` and `trials` default to the
+    synthetic corpus's held-out split when training on it.
+    """
+
+    train: str = "synthetic"
+    test: str | None = None
+    trials: str | None = None
+    synthetic: SyntheticSection = SyntheticSection()
+    cache_dir: str = ".cache/fedvox"
+    workers: int = Field(2, ge=1, description="processes for generation and features")
+
+    @model_validator(mode="after")
+    def _test_needs_trials(self) -> DataSection:
+        if self.train != "synthetic" and (self.test is None or self.trials is None):
+            raise ValueError(
+                "with a real training corpus, set both data.test (an evaluation data dir) "
+                "and data.trials (its trial list)"
+            )
+        if (self.test is None) != (self.trials is None):
+            raise ValueError("data.test and data.trials go together: set both or neither")
+        return self
+
+
+class FeaturesSection(_Strict):
+    """Front end: Kaldi fbank, energy VAD, mean normalisation (algorithms.md §1)."""
+
+    num_mel_bins: int = Field(30, ge=4, le=256)
+    vad: bool = True
+    cmn: Literal["sliding", "utterance", "none"] = "sliding"
+    cmn_window: int = Field(300, ge=3)
+
+
+class AugmentSection(_Strict):
+    """Offline augmentation: extra copies of the training data, as Kaldi recipes make them."""
+
+    copies: int = Field(0, ge=0, description="noisy/reverberant copies per utterance")
+    noise_prob: float = Field(0.5, ge=0, le=1)
+    snr_db: tuple[float, float] = (0.0, 15.0)
+    reverb_prob: float = Field(0.5, ge=0, le=1)
+    speed_factors: tuple[float, ...] = ()
+
+    @model_validator(mode="after")
+    def _check(self) -> AugmentSection:
+        if self.snr_db[0] > self.snr_db[1]:
+            raise ValueError("snr_db must be [low, high] with low <= high")
+        for f in self.speed_factors:
+            if not 0.5 <= f <= 2.0 or f == 1.0:
+                raise ValueError(f"speed factor {f} must be in [0.5, 2.0] and not 1.0")
+        return self
+
+
+class ModelSection(_Strict):
+    """Which extractor and head (fedvox.models.MODEL_PRESETS)."""
+
+    name: str = "xvector-small"
+    norm: Literal["batch", "layer", "none"] | None = None
+    embedding_layer: Literal["a", "b"] | None = None
+    scale: float = Field(30.0, gt=0)
+    margin: float = Field(0.2, ge=0, lt=1.0)
+    margin_ramp: tuple[float, float] = (0.2, 0.5)
+
+
+class TrainSection(_Strict):
+    """Centralised training on random chunks."""
+
+    steps: int = Field(3000, ge=1)
+    batch_size: int = Field(64, ge=2)
+    chunk_frames: tuple[int, int] = (200, 400)
+    optimizer: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(2e-3, gt=0)
+    final_lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(100, ge=0)
+    weight_decay: float = Field(1e-4, ge=0)
+    max_grad_norm: float | None = Field(10.0, gt=0)
+    checkpoint_every: int = Field(500, ge=1)
+    threads: int = Field(
+        1, ge=1, description="torch threads; results are identical only for the same value"
+    )
+    augment: AugmentSection = AugmentSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainSection:
+        lo, hi = self.chunk_frames
+        if not 10 <= lo <= hi:
+            raise ValueError("chunk_frames must be [low, high] with 10 <= low <= high")
+        if self.final_lr > self.lr:
+            raise ValueError("final_lr must be <= lr")
+        return self
+
+
+class EvalSection(_Strict):
+    """Scoring back ends and metrics."""
+
+    backends: tuple[Literal["cosine", "asnorm", "plda"], ...] = ("cosine", "asnorm", "plda")
+    asnorm_top_n: int = Field(100, ge=1)
+    lda_dim: int = Field(200, ge=2)
+    max_train_utts: int = Field(
+        4000, ge=10, description="training utterances embedded for mean/cohort/PLDA"
+    )
+    target_far: float = Field(
+        0.01, gt=0, lt=1, description="false-accept rate that sets the verify threshold"
+    )
+
+
+class ExperimentConfig(_Strict):
+    """A whole run: data, features, model, training, evaluation, and the seed."""
+
+    name: str = "run"
+    seed: int = 0
+    data: DataSection = DataSection()
+    features: FeaturesSection = FeaturesSection()
+    model: ModelSection = ModelSection()
+    train: TrainSection = TrainSection()
+    eval: EvalSection = EvalSection()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field, defaults included (the resolved config)."""
+        return json.loads(self.model_dump_json())
+
+    def hash(self) -> str:
+        """Stable short hash of the resolved config (goes in the manifest)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _first_error(err: ValidationError, source: str | None) -> ConfigError:
+    e = err.errors()[0]
+    field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        msg, fix = "unknown field", "remove it or check its spelling (see `fedvox config --help`)"
+    elif "input" in e and e["type"] != "missing":
+        msg = f"{msg} (got {e['input']!r})"
+        fix = "see the default config printed by `fedvox config`"
+    else:
+        fix = "see the default config printed by `fedvox config`"
+    return ConfigError(field, msg, fix, source=source)
+
+
+def config_from_dict(d: dict[str, Any], source: str | None = None) -> ExperimentConfig:
+    """Validate a dict into an ExperimentConfig; the first problem becomes a ConfigError."""
+    try:
+        return ExperimentConfig.model_validate(d)
+    except ValidationError as err:
+        raise _first_error(err, source) from None
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
+    """Read a TOML config file, apply dotted-key overrides, and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            "(file)", f"config file {path} does not exist", "give the path of a .toml file"
+        )
+    try:
+        d = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(
+            "(syntax)", f"not valid TOML: {exc}", "fix the TOML syntax", source=str(path)
+        ) from None
+    for key, value in (overrides or {}).items():
+        set_dotted(d, key, value)
+    return config_from_dict(d, source=str(path))
+
+
+def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
+    """Set d["a"]["b"] = value for key "a.b", creating tables on the way."""
+    parts = key.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(key, f"'{p}' is not a table", "override a leaf field")
+    d[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse a `--set a.b=value` override; the value is TOML (so 3, 0.1, true, "x", [1, 2])."""
+    if "=" not in text:
+        raise ConfigError(
+            text, "an override must look like key=value", "e.g. --set train.steps=500"
+        )
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    return key.strip(), value
+
+
+def dump_toml(cfg: ExperimentConfig) -> str:
+    """The resolved config as TOML text (None fields omitted: TOML has no null)."""
+    import tomli_w
+
+    def strip_none(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip_none(v) for k, v in x.items() if v is not None}
+        if isinstance(x, list):
+            return [strip_none(v) for v in x]
+        return x
+
+    return tomli_w.dumps(strip_none(cfg.to_dict()))

@@ -1,0 +1,152 @@
+"""Data preparation for a run: corpora, trial list and cached features, from the config.
+
+The first stages of the pipeline (audio → features → feature store); everything after it
+works on the in-memory feature matrices this returns.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fedvox.data.augment import AugmentConfig, Augmenter, SpeedPerturbedCorpus
+from fedvox.data.corpus import Corpus, load_corpus, load_kaldi_dir
+from fedvox.data.features import CmnConfig, FbankConfig, FeatureConfig, VadConfig
+from fedvox.data.store import FeatureStore, extract_corpus
+from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
+from fedvox.data.trials import TrialList, read_trials
+from fedvox.experiment.config import AugmentSection, DataSection, ExperimentConfig, FeaturesSection
+
+
+def feature_config(section: FeaturesSection) -> FeatureConfig:
+    """The data layer's FeatureConfig for a config's [features] table (dither off)."""
+    return FeatureConfig(
+        fbank=FbankConfig(num_mel_bins=section.num_mel_bins, dither=0.0),
+        vad=VadConfig(enabled=section.vad),
+        cmn=CmnConfig(mode=section.cmn, window=section.cmn_window),
+    )
+
+
+def synthetic_config(data: DataSection) -> SyntheticConfig:
+    """The generator settings of a config's [data.synthetic] table."""
+    return SyntheticConfig(**data.synthetic.model_dump())
+
+
+def synthetic_corpus_dir(data: DataSection, progress: bool = True) -> Path:
+    """Generate (or reuse from the cache) the embedded corpus; returns its folder."""
+    return ensure_corpus(
+        synthetic_config(data),
+        cache_root=Path(data.cache_dir) / "corpora",
+        workers=data.workers,
+        progress=progress,
+    )
+
+
+def resolve_corpora(data: DataSection, progress: bool = True) -> tuple[Corpus, Corpus, Path]:
+    """(training corpus, evaluation corpus, trial-list path) named by the [data] table."""
+    if data.train == "synthetic":
+        root = synthetic_corpus_dir(data, progress)
+        train = load_kaldi_dir(root / "train")
+        if data.test is None:
+            return train, load_kaldi_dir(root / "test"), root / "test" / "trials.txt"
+    else:
+        train = load_corpus(Path(data.train))
+    assert data.test is not None and data.trials is not None  # enforced by the config schema
+    return train, load_corpus(Path(data.test)), Path(data.trials)
+
+
+class AugmentedCorpus:
+    """Training corpus plus `copies` noisy/reverberant copies of each utterance (Kaldi-style).
+
+    Copy c of utterance u is `aug{c}-{u}` with u's speaker; its randomness comes from
+    (seed, u, c) only, so it is the same audio whatever else is in the corpus.
+    """
+
+    def __init__(self, base, section: AugmentSection, seed: int):
+        self.base = base
+        self.copies = section.copies
+        self.seed = seed
+        self.sample_rate = base.sample_rate
+        self.augmenter = Augmenter(
+            AugmentConfig(
+                noise_prob=section.noise_prob,
+                snr_db=tuple(section.snr_db),
+                reverb_prob=section.reverb_prob,
+            ),
+            sample_rate=base.sample_rate,
+        )
+        self._origin: dict[str, tuple[str, int]] = {}
+        for u in base.utt_ids():
+            for c in range(self.copies):
+                self._origin[f"aug{c}-{u}"] = (u, c)
+
+    def utt_ids(self) -> list[str]:
+        return sorted([*self.base.utt_ids(), *self._origin])
+
+    def speaker_of(self, utt_id: str) -> str:
+        return self.base.speaker_of(self._origin.get(utt_id, (utt_id, 0))[0])
+
+    def speakers(self) -> list[str]:
+        return self.base.speakers()
+
+    def load(self, utt_id: str) -> np.ndarray:
+        if utt_id not in self._origin:
+            return self.base.load(utt_id)
+        u, c = self._origin[utt_id]
+        rng = np.random.default_rng([self.seed, 0xA116, zlib.crc32(u.encode()), c])
+        return self.augmenter(self.base.load(u), rng).astype(np.float32)
+
+
+def training_corpus(train: Corpus, cfg: ExperimentConfig):
+    """The corpus training sees: speed-perturbed speakers and augmented copies if configured."""
+    aug = cfg.train.augment
+    corpus = train
+    if aug.speed_factors:
+        corpus = SpeedPerturbedCorpus(corpus, tuple(aug.speed_factors))
+    if aug.copies > 0:
+        corpus = AugmentedCorpus(corpus, aug, cfg.seed)
+    return corpus
+
+
+@dataclass
+class PreparedData:
+    """Everything training and evaluation need, in memory."""
+
+    train_corpus: object  # Corpus or a wrapper with utt_ids/speaker_of/load
+    test_corpus: Corpus
+    trials: TrialList
+    train_feats: dict[str, np.ndarray]
+    test_feats: dict[str, np.ndarray]
+    feature_config: FeatureConfig
+    corpus_dir: Path | None
+
+    @property
+    def feat_dim(self) -> int:
+        return next(iter(self.train_feats.values())).shape[1]
+
+    def train_speakers(self) -> list[str]:
+        return sorted({self.train_corpus.speaker_of(u) for u in self.train_feats})
+
+    def train_labels(self) -> tuple[list[str], np.ndarray]:
+        """(utt ids sorted, speaker index of each) for the training set."""
+        spk_index = {s: i for i, s in enumerate(self.train_speakers())}
+        utts = sorted(self.train_feats)
+        return utts, np.array([spk_index[self.train_corpus.speaker_of(u)] for u in utts])
+
+
+def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
+    """Corpora → validated audio → features (through the cache) for train and test."""
+    train, test, trials_path = resolve_corpora(cfg.data, progress)
+    train.validate()
+    test.validate()
+    trials = read_trials(trials_path, test)
+    fcfg = feature_config(cfg.features)
+    store = FeatureStore(Path(cfg.data.cache_dir) / "features")
+    train_c = training_corpus(train, cfg)
+    train_feats = extract_corpus(train_c, fcfg, store, workers=cfg.data.workers, progress=progress)
+    test_feats = extract_corpus(test, fcfg, store, workers=cfg.data.workers, progress=progress)
+    corpus_dir = train.root.parent if cfg.data.train == "synthetic" else None
+    return PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir)

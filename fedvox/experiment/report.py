@@ -1,0 +1,74 @@
+"""The run report: a markdown results table next to the command that made it, and plots.
+
+Written atomically at the end of a run (and rewritten by `fedvox eval`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from fedvox.atomic import atomic_write_text
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.2f}%"
+
+
+def results_table(rows: list[tuple[str, dict]]) -> str:
+    """Markdown table: system | EER | minDCF p=0.01 | minDCF p=0.05 | trials."""
+    lines = [
+        "| system | EER | minDCF (p=0.01) | minDCF (p=0.05) | target / nontarget trials |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in rows:
+        lines.append(
+            f"| {name} | {pct(m['eer'])} | {m['min_dcf_01']:.4f} | {m['min_dcf_05']:.4f} "
+            f"| {m['n_target']} / {m['n_nontarget']} |"
+        )
+    return "\n".join(lines)
+
+
+def learning_curve_table(points: list[dict]) -> str:
+    if not points:
+        return ""
+    lines = ["| step | train loss | cosine EER |", "|---|---|---|"]
+    for p in points:
+        lines.append(f"| {p['step']} | {p.get('loss', float('nan')):.3f} | {pct(p['eer'])} |")
+    return "\n".join(lines)
+
+
+def write_report(
+    path: Path,
+    title: str,
+    manifest: dict,
+    rows: list[tuple[str, dict]],
+    curve: list[dict],
+    det_png: str | None,
+    notes: list[str] | None = None,
+) -> Path:
+    """Write report.md: provenance, results table, learning curve and DET plot."""
+    git = manifest.get("git", {})
+    parts = [
+        f"# {title}",
+        "",
+        f"- command: `{' '.join(Path(a).name if i == 0 else a for i, a in enumerate(manifest.get('command', sys.argv)))}`",
+        f"- config hash: `{manifest.get('config_hash')}`, seed {manifest.get('seed')}",
+        f"- fedvox {manifest.get('packages', {}).get('fedvox')}, torch {manifest.get('packages', {}).get('torch')}, "
+        f"git {str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}",
+        f"- platform: {manifest.get('platform')}, torch threads {manifest.get('torch_threads')}",
+        "",
+        "## Results (held-out speakers)",
+        "",
+        results_table(rows),
+        "",
+    ]
+    if curve:
+        parts += ["## Learning curve", "", learning_curve_table(curve), ""]
+    if det_png:
+        parts += ["## DET curve", "", f"![DET curve]({det_png})", ""]
+    if notes:
+        parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    parts += ["<!-- metrics as JSON -->", "```json", json.dumps(dict(rows), indent=1), "```", ""]
+    return atomic_write_text(path, "\n".join(parts))

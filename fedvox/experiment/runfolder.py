@@ -1,0 +1,204 @@
+"""A run is a folder: resolved config, manifest, metrics log, checkpoints and report.
+
+Checkpoints are written atomically with a sha256 sidecar; a torn or corrupt one is detected
+on load and the previous one is used, with a warning.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fedvox.atomic import atomic_write, atomic_write_text, sha256_file
+from fedvox.errors import FedvoxError
+from fedvox.experiment.config import ExperimentConfig, dump_toml, load_config
+
+_PACKAGES = ("fedvox", "torch", "numpy", "scipy", "soundfile", "pydantic", "matplotlib")
+
+
+def git_commit() -> dict[str, Any]:
+    """Commit of the fedvox source tree (and whether it had uncommitted changes), if in git."""
+    src = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
+        return {"commit": commit, "dirty": dirty}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None}
+
+
+def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What is needed to rerun and trust a result: versions, platform, commit, config hash, seed."""
+    versions = {}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "config_hash": cfg.hash(),
+        "seed": cfg.seed,
+        "git": git_commit(),
+        "packages": versions,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": cfg.train.threads,
+        "command": sys.argv,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **(extra or {}),
+    }
+
+
+class RunFolder:
+    """The folder of one run and the files in it."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # --- layout -----------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def report_path(self) -> Path:
+        return self.path / "report.md"
+
+    # --- creation ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | Path, cfg: ExperimentConfig, overwrite: bool = False) -> RunFolder:
+        """Make a fresh run folder with the resolved config and manifest."""
+        path = Path(path)
+        if path.exists() and any(path.iterdir()) and not overwrite:
+            raise FedvoxError(
+                f"run folder {path} already exists. Fix: choose another --out, pass --overwrite, "
+                f"or continue it with `fedvox resume {path}`"
+            )
+        path.mkdir(parents=True, exist_ok=True)
+        run = cls(path)
+        for old in (run.metrics_path,):
+            old.unlink(missing_ok=True)
+        atomic_write_text(run.config_path, dump_toml(cfg))
+        atomic_write_text(run.manifest_path, json.dumps(build_manifest(cfg), indent=2) + "\n")
+        return run
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunFolder:
+        """Open an existing run folder (for eval, resume, enroll)."""
+        run = cls(path)
+        if not run.config_path.is_file():
+            raise FedvoxError(
+                f"{path} is not a fedvox run folder (no config.toml). "
+                "Fix: give the folder a `fedvox train` or `fedvox demo` run wrote"
+            )
+        return run
+
+    def config(self) -> ExperimentConfig:
+        return load_config(self.config_path)
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads(self.manifest_path.read_text())
+
+    def update_manifest(self, **fields: Any) -> None:
+        m = self.manifest()
+        m.update(fields)
+        atomic_write_text(self.manifest_path, json.dumps(m, indent=2) + "\n")
+
+    # --- metrics ----------------------------------------------------------------------
+    def log_metrics(self, record: dict[str, Any]) -> None:
+        """Append one JSON line; flushed and fsynced so a crash loses at most that line."""
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """All complete metric lines (a torn last line from a crash is ignored)."""
+        if not self.metrics_path.exists():
+            return []
+        out = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """Drop metric lines past a checkpoint so a resumed run does not log them twice."""
+        keep = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
+        atomic_write_text(
+            self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep)
+        )
+
+    # --- checkpoints ------------------------------------------------------------------
+    def save_checkpoint(self, step: int, state: dict[str, Any], keep: int = 3) -> Path:
+        """Atomically write checkpoint `step` plus its sha256; keep the newest `keep`."""
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        path = self.checkpoint_dir / f"ckpt-{step:09d}.pt"
+        atomic_write(path, lambda f: f.write(data))
+        atomic_write_text(path.with_suffix(".sha256"), sha256_file(path) + "\n")
+        for old in self._checkpoints()[:-keep]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".sha256").unlink(missing_ok=True)
+        return path
+
+    def _checkpoints(self) -> list[Path]:
+        return sorted(self.checkpoint_dir.glob("ckpt-*.pt"))
+
+    def load_latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest checkpoint whose hash verifies; corrupt ones are skipped with a warning."""
+        for path in reversed(self._checkpoints()):
+            side = path.with_suffix(".sha256")
+            ok = side.is_file() and side.read_text().strip() == sha256_file(path)
+            if ok:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=False)
+                    return int(path.stem.split("-")[1]), state
+                except Exception as exc:  # a verified file that still fails to load
+                    warnings.warn(
+                        f"checkpoint {path} failed to load ({exc}); trying an older one",
+                        stacklevel=2,
+                    )
+                    continue
+            warnings.warn(
+                f"checkpoint {path} is torn or corrupt (hash mismatch); using an older one",
+                stacklevel=2,
+            )
+        return None

@@ -1,0 +1,287 @@
+"""Run a centralised experiment end to end: prepare → train → evaluate → report.
+
+Used by `fedvox train`, `fedvox demo` and `fedvox resume`; everything lands in a run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedvox.atomic import atomic_write, atomic_write_text
+from fedvox.errors import FedvoxError
+from fedvox.eval.plots import plot_det
+from fedvox.experiment.config import ExperimentConfig
+from fedvox.experiment.evaluate import (
+    Backend,
+    EvalResult,
+    eer_threshold,
+    evaluate_baseline,
+    evaluate_extractor,
+)
+from fedvox.experiment.prepare import PreparedData, prepare
+from fedvox.experiment.report import write_report
+from fedvox.experiment.runfolder import RunFolder
+from fedvox.models import build_extractor
+from fedvox.training.centralised import TrainState, init_training, set_determinism, train
+
+MODEL_FILE = "model.pt"
+
+
+def eval_points(steps: int) -> list[int]:
+    """Steps with a quick cosine evaluation: a barely trained point (1%), then quarters."""
+    pts = {max(1, steps // 100), steps // 4, steps // 2, 3 * steps // 4}
+    return sorted(p for p in pts if 0 < p < steps)
+
+
+def weights_hash(module: nn.Module) -> str:
+    """sha256 of every tensor in the state dict, in order: equal hashes ⇔ equal weights."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in module.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_model(run: RunFolder, cfg: ExperimentConfig, extractor: nn.Module, feat_dim: int) -> Path:
+    """The trained extractor with what is needed to rebuild it (atomic)."""
+    blob = {
+        "model_name": cfg.model.name,
+        "norm": cfg.model.norm,
+        "embedding_layer": cfg.model.embedding_layer,
+        "feat_dim": feat_dim,
+        "extractor": extractor.state_dict(),
+        "weights_sha256": weights_hash(extractor),
+    }
+    return atomic_write(run.path / MODEL_FILE, lambda f: torch.save(blob, f))
+
+
+def load_model(run: RunFolder) -> tuple[nn.Module, ExperimentConfig]:
+    """Rebuild a run's trained extractor (eval mode) and its config."""
+    cfg = run.config()
+    path = run.path / MODEL_FILE
+    if not path.is_file():
+        raise FedvoxError(
+            f"{run.path} has no trained model ({MODEL_FILE}). "
+            f"Fix: let training finish, or continue it with `fedvox resume {run.path}`"
+        )
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    kw = {} if blob["embedding_layer"] is None else {"embedding_layer": blob["embedding_layer"]}
+    extractor = build_extractor(blob["model_name"], blob["feat_dim"], norm=blob["norm"], **kw)
+    extractor.load_state_dict(blob["extractor"])
+    extractor.eval()
+    return extractor, cfg
+
+
+@dataclass
+class RunOutcome:
+    """What a finished run produced (also on disk in its folder)."""
+
+    run: RunFolder
+    result: EvalResult
+    baseline: dict
+    curve: list[dict]
+    weights_sha256: str
+    seconds: float
+
+
+def _quick_eval(state: TrainState, data: PreparedData, cfg: ExperimentConfig) -> dict:
+    """Cosine metrics with a small training subset for the mean: cheap enough mid-training."""
+    section = cfg.eval.model_copy(update={"max_train_utts": min(500, cfg.eval.max_train_utts)})
+    res, _ = evaluate_extractor(
+        state.extractor,
+        data.train_feats,
+        data.train_corpus.speaker_of,
+        data.test_feats,
+        data.trials,
+        section,
+        backends=("cosine",),
+        progress=False,
+    )
+    return res.metrics["cosine"].to_dict()
+
+
+def _train_and_finish(
+    run: RunFolder, cfg: ExperimentConfig, data: PreparedData, state: TrainState, progress: bool
+) -> RunOutcome:
+    t0 = time.perf_counter()
+    points = set(eval_points(cfg.train.steps))
+
+    def on_step(st: TrainState, rec: dict) -> None:
+        if st.step % 10 == 0 or st.step == cfg.train.steps:
+            run.log_metrics({"kind": "train", **rec})
+        if st.step in points:
+            m = _quick_eval(st, data, cfg)
+            run.log_metrics({"kind": "eval", "step": st.step, "loss": rec["loss"], **m})
+        if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
+            run.save_checkpoint(st.step, st.to_checkpoint())
+
+    train(state, cfg, on_step=on_step, progress=progress)
+    save_model(run, cfg, state.extractor, data.feat_dim)
+    result, backend = evaluate_extractor(
+        state.extractor,
+        data.train_feats,
+        data.train_corpus.speaker_of,
+        data.test_feats,
+        data.trials,
+        cfg.eval,
+        progress=progress,
+    )
+    baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
+    return finish_run(
+        run, cfg, result, backend, baseline, time.perf_counter() - t0, state.extractor
+    )
+
+
+def finish_run(
+    run: RunFolder,
+    cfg: ExperimentConfig,
+    result: EvalResult,
+    backend: Backend,
+    baseline: dict | None,
+    seconds: float,
+    extractor: nn.Module,
+) -> RunOutcome:
+    """Write metrics.json, calibration, back end, DET plot and report.md."""
+    backend.save(run.path / "backend")
+    calib = {
+        "backend": "cosine",
+        "threshold": eer_threshold(result, "cosine"),
+        "operating_point": "EER on the evaluation trials",
+    }
+    atomic_write_text(run.path / "calibration.json", json.dumps(calib, indent=2) + "\n")
+    summary = {"backends": result.summary(), "baseline_stats_cosine": baseline}
+    whash = weights_hash(extractor)
+    summary["weights_sha256"] = whash
+    atomic_write_text(
+        run.path / "metrics.json", json.dumps(summary, indent=2, sort_keys=True) + "\n"
+    )
+    curves = {name: (s[result.labels], s[~result.labels]) for name, s in result.scores.items()}
+    plot_det(curves, run.path / "det.png", title=f"DET — {cfg.name}")
+    curve = [r for r in run.read_metrics() if r.get("kind") == "eval"]
+    rows = [
+        (f"x-vector ({cfg.model.name}) + {name}", m.to_dict()) for name, m in result.metrics.items()
+    ]
+    if curve:
+        first = curve[0]
+        rows.append(
+            (
+                f"barely trained (step {first['step']} of {cfg.train.steps}) + cosine",
+                first,
+            )
+        )
+    if baseline is not None:
+        rows.append(("non-learned baseline (fbank mean+std, cosine)", baseline))
+    write_report(
+        run.report_path,
+        f"fedvox run: {cfg.name}",
+        run.manifest(),
+        rows,
+        curve,
+        "det.png",
+        notes=[
+            f"training + evaluation took {seconds:.0f} s",
+            f"verify threshold (cosine, EER point): {calib['threshold']:.4f}",
+        ],
+    )
+    return RunOutcome(run, result, baseline or {}, curve, whash, seconds)
+
+
+def run_experiment(
+    cfg: ExperimentConfig, out: Path, progress: bool = True, overwrite: bool = False
+) -> RunOutcome:
+    """A fresh run of `cfg` into folder `out`."""
+    run = RunFolder.create(out, cfg, overwrite=overwrite)
+    data = prepare(cfg, progress=progress)
+    utts, labels = data.train_labels()
+    run.update_manifest(
+        n_train_speakers=len(data.train_speakers()),
+        n_train_utts=len(utts),
+        n_test_utts=len(data.test_feats),
+        n_trials=len(data.trials),
+        corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
+    )
+    state = init_training(
+        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
+    )
+    return _train_and_finish(run, cfg, data, state, progress)
+
+
+def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
+    """Continue a run from its newest valid checkpoint; ends where an uninterrupted run would."""
+    run = RunFolder.open(path)
+    cfg = run.config()
+    data = prepare(cfg, progress=progress)
+    utts, labels = data.train_labels()
+    state = init_training(
+        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
+    )
+    found = run.load_latest_checkpoint()
+    if found is not None:
+        step, ckpt = found
+        state.load_checkpoint(ckpt)
+        set_determinism(cfg.train.threads)
+        run.truncate_metrics(step)
+    else:
+        run.truncate_metrics(0)
+    return _train_and_finish(run, cfg, data, state, progress)
+
+
+def evaluate_run(
+    run_path: Path,
+    data_dir: Path,
+    trials_path: Path,
+    out: Path | None = None,
+    backends: tuple[str, ...] | None = None,
+    progress: bool = True,
+) -> tuple[EvalResult, Path]:
+    """Score any data dir + trial list with a trained run and its fitted back end.
+
+    Writes metrics.json, det.png and report.md into `out` (default RUN/eval/<data dir name>).
+    """
+    from fedvox.data.corpus import load_corpus
+    from fedvox.data.store import FeatureStore, extract_corpus
+    from fedvox.data.trials import read_trials
+    from fedvox.experiment.evaluate import embed_dict, score_with_backend
+    from fedvox.experiment.prepare import feature_config
+
+    run = RunFolder.open(run_path)
+    extractor, cfg = load_model(run)
+    backend = Backend.load(run.path / "backend")
+    corpus = load_corpus(Path(data_dir))
+    trials = read_trials(Path(trials_path), corpus)
+    sub = corpus.subset(utt_ids=trials.utt_ids())
+    sub.validate()
+    store = FeatureStore(Path(cfg.data.cache_dir) / "features")
+    feats = extract_corpus(
+        sub, feature_config(cfg.features), store, workers=cfg.data.workers, progress=progress
+    )
+    emb = embed_dict(extractor, feats, trials.utt_ids(), "embed", progress)
+    backends = backends or cfg.eval.backends
+    result = score_with_backend(emb, trials, backend, tuple(backends), cfg.eval.asnorm_top_n)
+    out = Path(out) if out else run.path / "eval" / Path(data_dir).resolve().name
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(
+        out / "metrics.json", json.dumps(result.summary(), indent=2, sort_keys=True) + "\n"
+    )
+    plot_det(
+        {n: (s[result.labels], s[~result.labels]) for n, s in result.scores.items()},
+        out / "det.png",
+    )
+    write_report(
+        out / "report.md",
+        f"fedvox eval: {run.path.name} on {Path(data_dir).name}",
+        run.manifest(),
+        [(f"{cfg.model.name} + {n}", m.to_dict()) for n, m in result.metrics.items()],
+        [],
+        "det.png",
+        notes=[f"data: {Path(data_dir).resolve()}", f"trials: {Path(trials_path).resolve()}"],
+    )
+    return result, out

@@ -1,0 +1,61 @@
+"""The federated engine: population, virtual clock, client update, aggregation, algorithms.
+
+Generic over models: a Task gives initial parameters and a functional per-example loss; the
+engine never imports an execution backend, the experiment layer or the command line.
+"""
+
+from fedvox.fl.aggregation import Aggregator, SumStage, broadcast, client_delta, weighted_sum
+from fedvox.fl.algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    FedAsync,
+    FedAvg,
+    FedBuff,
+    make_algorithm,
+    staleness_weight,
+)
+from fedvox.fl.client import ClientConfig, ClientResults, ModuleTask, Task, train_clients
+from fedvox.fl.clock import DelayModel, EventQueue, diurnal_availability
+from fedvox.fl.population import Population, derived_rng
+from fedvox.fl.server_opt import (
+    ServerAdagrad,
+    ServerAdam,
+    ServerOptimizer,
+    ServerSGD,
+    ServerYogi,
+    make_server_optimizer,
+)
+from fedvox.fl.simulator import Simulator, SimulatorConfig
+
+__all__ = [
+    "ALGORITHMS",
+    "Aggregator",
+    "Algorithm",
+    "ClientConfig",
+    "ClientResults",
+    "DelayModel",
+    "EventQueue",
+    "FedAsync",
+    "FedAvg",
+    "FedBuff",
+    "ModuleTask",
+    "Population",
+    "ServerAdagrad",
+    "ServerAdam",
+    "ServerOptimizer",
+    "ServerSGD",
+    "ServerYogi",
+    "Simulator",
+    "SimulatorConfig",
+    "SumStage",
+    "Task",
+    "broadcast",
+    "client_delta",
+    "derived_rng",
+    "diurnal_availability",
+    "make_algorithm",
+    "make_server_optimizer",
+    "staleness_weight",
+    "train_clients",
+    "weighted_sum",
+]

@@ -1,0 +1,125 @@
+"""Client population: who holds which examples, and how a client's local batches are drawn.
+
+Sits between the data store (one shared array per field) and the client update: clients are
+index lists into that store, so memory grows with the data, never with a per-client object.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedvox.errors import ConfigError
+
+# Purposes keep independent random streams apart: (seed, purpose, client, trip) -> stream.
+PURPOSE_BATCHES = 1
+PURPOSE_DELAY = 2
+PURPOSE_DROPOUT = 3
+PURPOSE_SELECT = 4
+
+
+def derived_rng(seed: int, purpose: int, *ids: int) -> np.random.Generator:
+    """A generator that depends only on (seed, purpose, ids), never on call order."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, purpose, *ids])))
+
+
+class Population:
+    """Clients as contiguous slices of one index array into a shared store of tensors.
+
+    `store` maps a field name ("x", "y", ...) to a tensor whose first axis is the example;
+    client c holds examples `order[offsets[c]:offsets[c+1]]`.
+    """
+
+    def __init__(
+        self,
+        store: Mapping[str, Tensor],
+        client_indices: Sequence[Sequence[int] | np.ndarray],
+        seed: int = 0,
+    ) -> None:
+        if not store:
+            raise ConfigError("population.store", "no data fields", "pass e.g. {'x': X, 'y': Y}")
+        lengths = {name: int(t.shape[0]) for name, t in store.items()}
+        if len(set(lengths.values())) != 1:
+            raise ConfigError(
+                "population.store",
+                f"fields have different numbers of examples {lengths}",
+                "give every field one row per example",
+            )
+        n_store = next(iter(lengths.values()))
+        if len(client_indices) == 0:
+            raise ConfigError("population.clients", "no clients", "give at least one client")
+        sizes = np.array([len(ix) for ix in client_indices], dtype=np.int64)
+        empty = np.flatnonzero(sizes == 0)
+        if empty.size:
+            raise ConfigError(
+                "population.clients",
+                f"client {int(empty[0])} has no data ({empty.size} empty clients)",
+                "drop clients without examples before building the population",
+            )
+        order = np.concatenate([np.asarray(ix, dtype=np.int64) for ix in client_indices])
+        if order.min() < 0 or order.max() >= n_store:
+            raise ConfigError(
+                "population.clients",
+                f"an example index is outside the store (0..{n_store - 1})",
+                "index rows of the store",
+            )
+        self.store = {name: torch.as_tensor(t) for name, t in store.items()}
+        self.order = order
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.seed = int(seed)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.offsets) - 1
+
+    def num_examples(self, client_id: int) -> int:
+        return int(self.offsets[client_id + 1] - self.offsets[client_id])
+
+    def examples(self) -> np.ndarray:
+        """Number of examples of every client (one array, for weighting and delay scaling)."""
+        return np.diff(self.offsets)
+
+    def rng(self, purpose: int, client_id: int, trip: int) -> np.random.Generator:
+        return derived_rng(self.seed, purpose, client_id, trip)
+
+    def batch_indices(
+        self,
+        client_id: int,
+        trip: int,
+        batch_size: int,
+        epochs: int = 1,
+        rng: np.random.Generator | None = None,
+    ) -> list[np.ndarray]:
+        """Store rows of each local batch: a fresh shuffle per epoch, last batch may be short."""
+        if rng is None:
+            rng = self.rng(PURPOSE_BATCHES, client_id, trip)
+        rows = self.order[self.offsets[client_id] : self.offsets[client_id + 1]]
+        out: list[np.ndarray] = []
+        for _ in range(epochs):
+            perm = rows[rng.permutation(len(rows))]
+            out.extend(perm[i : i + batch_size] for i in range(0, len(perm), batch_size))
+        return out
+
+    def num_batches(self, client_id: int, batch_size: int, epochs: int = 1) -> int:
+        return epochs * math.ceil(self.num_examples(client_id) / batch_size)
+
+    def gather(self, rows: np.ndarray | Tensor) -> dict[str, Tensor]:
+        """The store's fields at `rows` (any shape of row indices)."""
+        ix = torch.as_tensor(rows, dtype=torch.long)
+        return {name: t[ix] for name, t in self.store.items()}
+
+    def client_batches(
+        self,
+        client_id: int,
+        trip: int,
+        batch_size: int,
+        epochs: int = 1,
+        rng: np.random.Generator | None = None,
+    ) -> Iterator[dict[str, Tensor]]:
+        """The client's local batches for this trip, deterministic in (seed, client, trip)."""
+        for rows in self.batch_indices(client_id, trip, batch_size, epochs, rng):
+            yield self.gather(rows)

@@ -1,0 +1,424 @@
+"""The federated simulator: one event loop on a virtual clock drives every algorithm.
+
+Sits between the population/task (data and model) and the run folder the lead wires up:
+client trips are events; synchronous FL is the same loop with a barrier per round.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedvox.errors import ConfigError
+from fedvox.fl.aggregation import Aggregator, SumStage
+from fedvox.fl.algorithms.base import Algorithm
+from fedvox.fl.client import ClientConfig, Task, train_clients
+from fedvox.fl.clock import Availability, DelayModel, EventQueue
+from fedvox.fl.population import (
+    PURPOSE_DELAY,
+    PURPOSE_DROPOUT,
+    PURPOSE_SELECT,
+    Population,
+    derived_rng,
+)
+
+Params = dict[str, Tensor]
+Record = dict[str, Any]
+
+# Rejection-sampling tries before an async selection falls back to scanning every client.
+_SELECT_TRIES = 64
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """The clock and cohort: C concurrent trips, over-selection (sync), dropouts, availability.
+
+    Randomness for selection, delays and dropouts derives from (seed, purpose, ids); client
+    batches derive from the population's own seed.
+    """
+
+    concurrency: int = 10
+    delay: DelayModel = field(default_factory=DelayModel)
+    over_selection: float = 0.0
+    dropout: float = 0.0
+    availability: Availability | None = None
+    retry_interval: float = 1.0
+    seed: int = 0
+
+
+class Simulator:
+    """Discrete-event federated training: `run()` until a stop condition, `params` at the end.
+
+    Trips start at a virtual time with the current model version and complete after a sampled
+    delay; training runs lazily, batched over the clients a server step aggregates.
+    """
+
+    def __init__(
+        self,
+        task: Task,
+        population: Population,
+        algorithm: Algorithm,
+        client: ClientConfig,
+        config: SimulatorConfig,
+        callback: Callable[[Record], None] | None = None,
+        stages: list[SumStage] | None = None,
+    ) -> None:
+        _validate(population, algorithm, config)
+        self.task = task
+        self.population = population
+        self.algorithm = algorithm
+        self.client = client
+        self.config = config
+        self.callback = callback
+        self.aggregator = Aggregator(stages or [])
+        params = {n: t.detach().clone() for n, t in task.init_params().items()}
+        self.global_names: list[str] = list(getattr(task, "global_names", None) or params)
+        self.bytes_per_trip = 4 * sum(params[n].numel() for n in self.global_names)
+        self.examples = population.examples()
+        self.mean_examples = float(self.examples.mean())
+        self.k = algorithm.updates_per_step(config.concurrency)
+        self.events = EventQueue()
+        self.time = 0.0
+        self.server_step = 0
+        self.versions: dict[int, Params] = {0: params}
+        self.refs: dict[int, int] = {0: 1}  # the server's own reference to its current version
+        self.in_flight: dict[int, dict[str, Any]] = {}
+        self.pending: list[dict[str, Any]] = []
+        self.client_trips: dict[int, int] = {}  # trips started per client (touched ones only)
+        self.counters = {
+            "trips_started": 0,
+            "trips_completed": 0,
+            "selections": 0,
+            "bytes_down": 0,
+            "bytes_up": 0,
+            "dropped_out": 0,
+            "stale": 0,
+            "cancelled": 0,
+        }
+        self.round = {"id": 0, "outstanding": 0}
+        self.retry_pending = False
+        self.started = False
+
+    # -- public -------------------------------------------------------------------------
+
+    @property
+    def params(self) -> Params:
+        return self.versions[self.server_step]
+
+    def run(
+        self,
+        max_server_steps: int | None = None,
+        max_trips: int | None = None,
+        max_time: float | None = None,
+        max_events: int | None = None,
+    ) -> Params:
+        """Process events until a limit is reached (or nothing is left); returns the params."""
+        events = 0
+        while not self._done(max_server_steps, max_trips):
+            if max_events is not None and events >= max_events:
+                break
+            if max_time is not None and self.events and self.events.heap[0][0] > max_time:
+                break
+            if not self.step():
+                break
+            events += 1
+        return self.params
+
+    def step(self) -> bool:
+        """Process one event (starting the clock first if needed); False when none is left."""
+        if not self.started:
+            self.started = True
+            if self.algorithm.barrier:
+                self._start_round(0.0)
+            else:
+                self._fill(0.0)
+            return True
+        if not self.events:
+            return False
+        time, _, kind, payload = self.events.pop()
+        self.time = time
+        if kind == "retry":
+            self.retry_pending = False
+            if self.algorithm.barrier:
+                self._start_round(time)
+            else:
+                self._fill(time)
+        else:
+            self._complete(time, payload)
+        return True
+
+    # -- starting trips -----------------------------------------------------------------
+
+    def _eligible(self, c: int, time: float) -> bool:
+        avail = self.config.availability
+        return c not in self._busy and (avail is None or avail(c, time))
+
+    @property
+    def _busy(self) -> set[int]:
+        return {t["client"] for t in self.in_flight.values()}
+
+    def _select_one(self, time: float) -> int | None:
+        rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
+        self.counters["selections"] += 1
+        n = self.population.num_clients
+        busy = self._busy
+        avail = self.config.availability
+        for _ in range(_SELECT_TRIES):
+            c = int(rng.integers(n))
+            if c not in busy and (avail is None or avail(c, time)):
+                return c
+        eligible = [c for c in range(n) if c not in busy and (avail is None or avail(c, time))]
+        return int(rng.choice(eligible)) if eligible else None
+
+    def _select_cohort(self, time: float, m: int) -> list[int]:
+        rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
+        self.counters["selections"] += 1
+        n = self.population.num_clients
+        if self.config.availability is None and not self.in_flight:
+            return [int(c) for c in rng.choice(n, size=m, replace=False)]
+        eligible = np.array([c for c in range(n) if self._eligible(c, time)], dtype=np.int64)
+        m = min(m, len(eligible))
+        return [int(c) for c in rng.choice(eligible, size=m, replace=False)]
+
+    def _launch(self, client: int, time: float) -> None:
+        trip_id = self.counters["trips_started"]
+        self.counters["trips_started"] += 1
+        # the client's own trip number keys its randomness: independent of other clients
+        trip = self.client_trips.get(client, 0)
+        self.client_trips[client] = trip + 1
+        rng = derived_rng(self.config.seed, PURPOSE_DELAY, client, trip)
+        duration = self.config.delay.sample(
+            client, int(self.examples[client]), self.mean_examples, rng
+        )
+        dropped = False
+        if self.config.dropout > 0:
+            drng = derived_rng(self.config.seed, PURPOSE_DROPOUT, client, trip)
+            dropped = bool(drng.random() < self.config.dropout)
+        version = self.server_step
+        self.refs[version] = self.refs.get(version, 0) + 1
+        self.counters["bytes_down"] += self.bytes_per_trip
+        self.in_flight[trip_id] = {
+            "client": client,
+            "trip": trip,
+            "trip_id": trip_id,
+            "version": version,
+            "start": time,
+            "dropped": dropped,
+            "round": self.round["id"],
+        }
+        # A dropped trip never uploads; the server frees its slot when it would have ended.
+        self.events.push(time + duration, "complete", trip_id)
+
+    def _retry_later(self, time: float) -> None:
+        if not self.retry_pending:
+            self.retry_pending = True
+            self.events.push(time + self.config.retry_interval, "retry", None)
+
+    def _fill(self, time: float) -> None:
+        while len(self.in_flight) < self.config.concurrency:
+            c = self._select_one(time)
+            if c is None:
+                self._retry_later(time)
+                return
+            self._launch(c, time)
+
+    def _start_round(self, time: float) -> None:
+        c = self.config.concurrency
+        m = min(math.ceil(c * (1 + self.config.over_selection)), self.population.num_clients)
+        cohort = self._select_cohort(time, m)
+        if not cohort:
+            self._retry_later(time)
+            return
+        self.round["id"] += 1
+        self.round["outstanding"] = len(cohort)
+        for client in cohort:
+            self._launch(client, time)
+
+    # -- completing trips ---------------------------------------------------------------
+
+    def _release(self, version: int) -> None:
+        self.refs[version] -= 1
+        if self.refs[version] == 0:
+            del self.refs[version]
+            del self.versions[version]
+
+    def _trip_record(self, trip: dict[str, Any], time: float, status: str, **kw: Any) -> Record:
+        rec = {
+            "kind": "trip",
+            "time": time,
+            "client": trip["client"],
+            "trip": trip["trip"],
+            "trip_id": trip["trip_id"],
+            "start_time": trip["start"],
+            "start_version": trip["version"],
+            "status": status,
+            "bytes_down": self.bytes_per_trip,
+            "bytes_up": self.bytes_per_trip if status in ("aggregated", "stale") else 0,
+        }
+        rec.update(kw)
+        return rec
+
+    def _emit(self, record: Record) -> None:
+        if self.callback is not None:
+            self.callback(record)
+
+    def _complete(self, time: float, trip_id: int) -> None:
+        trip = self.in_flight.pop(trip_id, None)
+        if trip is None:  # cancelled by the end of its round (over-selection)
+            return
+        barrier = self.algorithm.barrier
+        if barrier:
+            self.round["outstanding"] -= 1
+        if trip["dropped"]:
+            self.counters["dropped_out"] += 1
+            self._release(trip["version"])
+            self._emit(self._trip_record(trip, time, "dropped_out"))
+        else:
+            self.counters["trips_completed"] += 1
+            self.counters["bytes_up"] += self.bytes_per_trip
+            tau = self.server_step - trip["version"]
+            max_tau = self.algorithm.max_staleness
+            if max_tau is not None and tau > max_tau:
+                self.counters["stale"] += 1
+                self._release(trip["version"])
+                self._emit(self._trip_record(trip, time, "stale", staleness=tau))
+            else:
+                self.pending.append({**trip, "arrival": time, "staleness": tau})
+        if barrier:
+            if len(self.pending) >= self.k or self.round["outstanding"] == 0:
+                self._end_round(time)
+        else:
+            if len(self.pending) >= self.k:
+                self._flush(time)
+            self._fill(time)
+
+    def _end_round(self, time: float) -> None:
+        if self.pending:
+            self._flush(time)
+        for trip_id in sorted(self.in_flight):
+            trip = self.in_flight.pop(trip_id)
+            self.counters["cancelled"] += 1
+            self._release(trip["version"])
+            self._emit(self._trip_record(trip, time, "cancelled"))
+        self.round["outstanding"] = 0
+        self._start_round(time)
+
+    def _flush(self, time: float) -> None:
+        """One server step: train the pending clients together, sum, apply."""
+        items, self.pending = self.pending, []
+        jobs = [(it["client"], it["trip"]) for it in items]
+        starts = [self.versions[it["version"]] for it in items]
+        results = train_clients(self.task.loss, self.population, jobs, starts, self.client)
+        staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
+        weights = self.algorithm.client_weights(results.num_examples, staleness)
+        self.aggregator.accumulate(results.delta, weights)
+        total, weight, count = self.aggregator.result()
+        concurrency = len(self.in_flight)
+        new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
+        new = {n: t.detach() for n, t in new.items()}
+        old = self.server_step
+        self.server_step += 1
+        self.versions[self.server_step] = new
+        self.refs[self.server_step] = 1
+        for it in items:
+            self._release(it["version"])
+        self._release(old)
+        for i, it in enumerate(items):
+            self._emit(
+                self._trip_record(
+                    it,
+                    it["arrival"],
+                    "aggregated",
+                    staleness=it["staleness"],
+                    loss=float(results.loss[i]),
+                    num_examples=int(results.num_examples[i]),
+                    server_step=self.server_step,
+                )
+            )
+        self._emit(
+            {
+                "kind": "server_step",
+                "time": time,
+                "server_step": self.server_step,
+                "updates": count,
+                "loss": float(results.loss.mean()),
+                "staleness": [it["staleness"] for it in items],
+                "staleness_mean": float(staleness.mean()),
+                "concurrency": concurrency,
+                **self.counters,
+            }
+        )
+
+    def _done(self, max_server_steps: int | None, max_trips: int | None) -> bool:
+        if max_server_steps is not None and self.server_step >= max_server_steps:
+            return True
+        return max_trips is not None and self.counters["trips_completed"] >= max_trips
+
+    # -- snapshot -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-identically: params of every referenced version,
+        optimiser state, event heap, in-flight and buffered trips, counters. RNG streams are
+        derived from counters, so no generator state is stored."""
+        return {
+            "time": self.time,
+            "server_step": self.server_step,
+            "versions": {v: {n: t.clone() for n, t in p.items()} for v, p in self.versions.items()},
+            "refs": dict(self.refs),
+            "in_flight": copy.deepcopy(self.in_flight),
+            "pending": copy.deepcopy(self.pending),
+            "counters": dict(self.counters),
+            "client_trips": dict(self.client_trips),
+            "round": dict(self.round),
+            "retry_pending": self.retry_pending,
+            "started": self.started,
+            "events": copy.deepcopy(self.events.state_dict()),
+            "algorithm": self.algorithm.state_dict(),
+            "aggregator": self.aggregator.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.time = float(state["time"])
+        self.server_step = int(state["server_step"])
+        self.versions = {
+            int(v): {n: t.clone() for n, t in p.items()} for v, p in state["versions"].items()
+        }
+        self.refs = {int(v): int(r) for v, r in state["refs"].items()}
+        self.in_flight = {int(k): dict(v) for k, v in copy.deepcopy(state["in_flight"]).items()}
+        self.pending = copy.deepcopy(state["pending"])
+        self.counters = dict(state["counters"])
+        self.client_trips = {int(c): int(n) for c, n in state["client_trips"].items()}
+        self.round = dict(state["round"])
+        self.retry_pending = bool(state["retry_pending"])
+        self.started = bool(state["started"])
+        self.events.load_state_dict(copy.deepcopy(state["events"]))
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.aggregator.load_state_dict(state["aggregator"])
+
+
+def _validate(population: Population, algorithm: Algorithm, config: SimulatorConfig) -> None:
+    """Refuse impossible settings before anything runs, naming the field."""
+    n = population.num_clients
+    c = config.concurrency
+    if c < 1:
+        raise ConfigError("concurrency", f"must be >= 1, got {c}", "use e.g. 10")
+    if c > n:
+        raise ConfigError(
+            "concurrency", f"C={c} exceeds the population of {n} clients", f"use C <= {n}"
+        )
+    if config.over_selection < 0:
+        raise ConfigError("over_selection", f"must be >= 0, got {config.over_selection}")
+    if not 0 <= config.dropout < 1:
+        raise ConfigError("dropout", f"must be in [0, 1), got {config.dropout}", "use e.g. 0.1")
+    if not config.retry_interval > 0:
+        raise ConfigError("retry_interval", f"must be > 0, got {config.retry_interval}")
+    if not isinstance(algorithm, Algorithm):
+        raise ConfigError("algorithm", f"not an algorithm: {algorithm!r}", "use make_algorithm")
+    algorithm.validate(c)

@@ -1,0 +1,153 @@
+"""Centralised training: the pooled-data baseline every federated result is compared to.
+
+Feeds random chunks to the models' one-step function, ramps the AAM margin, decays the
+learning rate, logs metrics and writes atomic, resumable checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedvox.cli_progress import training_progress
+from fedvox.experiment.config import ExperimentConfig, TrainSection
+from fedvox.models import build_extractor
+from fedvox.models.heads import AAMSoftmax, margin_schedule
+from fedvox.models.step import train_step
+from fedvox.training.chunks import ChunkSampler
+
+PURPOSE_INIT = 0x1417
+PURPOSE_CHUNKS = 0xC4C5
+
+
+def set_determinism(threads: int) -> None:
+    """Deterministic kernels and a fixed thread count: same seed → same bits."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+def build_models(
+    cfg: ExperimentConfig, feat_dim: int, n_speakers: int
+) -> tuple[nn.Module, AAMSoftmax]:
+    """Extractor and AAM head, initialised from (seed, "init") only."""
+    torch.manual_seed(np.random.SeedSequence([cfg.seed, PURPOSE_INIT]).generate_state(1)[0])
+    overrides = {}
+    if cfg.model.embedding_layer is not None:
+        overrides["embedding_layer"] = cfg.model.embedding_layer
+    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model.norm, **overrides)
+    emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
+    head = AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
+    return extractor, head
+
+
+def lr_at(step: int, t: TrainSection) -> float:
+    """Linear warm-up, then exponential decay from lr to final_lr at the last step."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    span = max(1, t.steps - t.warmup_steps)
+    frac = min(1.0, (step - t.warmup_steps) / span)
+    return t.lr * math.exp(frac * math.log(t.final_lr / t.lr))
+
+
+def make_optimizer(params, t: TrainSection) -> torch.optim.Optimizer:
+    if t.optimizer == "adam":
+        return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(
+        params, lr=t.lr, momentum=0.9, weight_decay=t.weight_decay, nesterov=True
+    )
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint holds and a resumed run restores."""
+
+    extractor: nn.Module
+    head: AAMSoftmax
+    optimizer: torch.optim.Optimizer
+    sampler: ChunkSampler
+    step: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def to_checkpoint(self) -> dict:
+        return {
+            "step": self.step,
+            "extractor": self.extractor.state_dict(),
+            "head": self.head.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_checkpoint(self, ckpt: dict) -> None:
+        self.step = int(ckpt["step"])
+        self.extractor.load_state_dict(ckpt["extractor"])
+        self.head.load_state_dict(ckpt["head"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.sampler.load_state(ckpt["sampler"])
+        torch.set_rng_state(ckpt["torch_rng"])
+
+
+def init_training(
+    cfg: ExperimentConfig, feats: list[np.ndarray], labels: np.ndarray, n_speakers: int
+) -> TrainState:
+    """Fresh models, optimiser and chunk sampler for a config."""
+    set_determinism(cfg.train.threads)
+    extractor, head = build_models(cfg, feats[0].shape[1], n_speakers)
+    opt = make_optimizer([*extractor.parameters(), *head.parameters()], cfg.train)
+    rng = np.random.default_rng([cfg.seed, PURPOSE_CHUNKS])
+    sampler = ChunkSampler(feats, labels, cfg.train.batch_size, tuple(cfg.train.chunk_frames), rng)
+    return TrainState(extractor, head, opt, sampler)
+
+
+def train(
+    state: TrainState,
+    cfg: ExperimentConfig,
+    on_step: Callable[[TrainState, dict], None] | None = None,
+    progress: bool = True,
+) -> TrainState:
+    """Run from state.step to cfg.train.steps; `on_step` sees each step's record (logging,
+    checkpoints, periodic evaluation)."""
+    t = cfg.train
+    state.extractor.train()
+    state.head.train()
+    with training_progress(t.steps, state.step, enabled=progress) as bar:
+        while state.step < t.steps:
+            t0 = time.perf_counter()
+            x, y = state.sampler.next_batch()
+            lr = lr_at(state.step, t)
+            for g in state.optimizer.param_groups:
+                g["lr"] = lr
+            margin = margin_schedule(state.step / t.steps, cfg.model.margin, *cfg.model.margin_ramp)
+            state.head.set_margin(margin)
+            loss = train_step(
+                state.extractor,
+                state.head,
+                state.optimizer,
+                torch.from_numpy(x),
+                torch.from_numpy(y),
+                max_grad_norm=t.max_grad_norm,
+            )
+            if not math.isfinite(loss):
+                raise FloatingPointError(
+                    f"training loss became {loss} at step {state.step}. "
+                    "Fix: lower train.lr or set train.max_grad_norm"
+                )
+            state.step += 1
+            dt = time.perf_counter() - t0
+            rec = {
+                "step": state.step,
+                "loss": loss,
+                "lr": lr,
+                "margin": margin,
+                "frames": int(x.shape[1]),
+            }
+            bar.update(loss=loss, rate=x.shape[0] / dt)
+            if on_step is not None:
+                on_step(state, rec)
+    return state

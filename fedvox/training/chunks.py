@@ -1,0 +1,81 @@
+"""Random fixed-length training chunks cut from in-memory feature matrices.
+
+x-vector training sees 2–4 s crops (200–400 frames); every batch shares one length so it
+stacks into a tensor. All randomness comes from the generator passed in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def crop(feats: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
+    """A random `length`-frame window; a shorter utterance is tiled (wrapped) to fill it."""
+    n = feats.shape[0]
+    if n >= length:
+        start = int(rng.integers(0, n - length + 1))
+        return feats[start : start + length]
+    reps = -(-length // n)
+    start = int(rng.integers(0, n))
+    return np.concatenate([feats] * (reps + 1), axis=0)[start : start + length]
+
+
+class ChunkSampler:
+    """Epoch-shuffled batches of random-length chunks with speaker labels.
+
+    Each epoch visits every utterance once in a random order; each batch draws one length in
+    [min_frames, max_frames]. The state is the generator's, so a resumed run continues exactly.
+    """
+
+    def __init__(
+        self,
+        feats: Sequence[np.ndarray],
+        labels: Sequence[int],
+        batch_size: int,
+        chunk_frames: tuple[int, int],
+        rng: np.random.Generator,
+    ):
+        if len(feats) != len(labels) or len(feats) == 0:
+            raise ValueError("feats and labels must be non-empty and of equal length")
+        self.feats = list(feats)
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.batch_size = batch_size
+        self.lo, self.hi = chunk_frames
+        self.rng = rng
+        self._order = np.zeros(0, dtype=np.int64)
+        self._pos = 0
+
+    def state(self) -> dict:
+        """Everything needed to continue the exact same sequence of batches."""
+        return {
+            "rng": self.rng.bit_generator.state,
+            "order": self._order.copy(),
+            "pos": self._pos,
+        }
+
+    def load_state(self, state: dict) -> None:
+        self.rng.bit_generator.state = state["rng"]
+        self._order = np.asarray(state["order"], dtype=np.int64)
+        self._pos = int(state["pos"])
+
+    def _next_indices(self) -> np.ndarray:
+        out = []
+        need = self.batch_size
+        while need > 0:
+            if self._pos >= len(self._order):
+                self._order = self.rng.permutation(len(self.feats))
+                self._pos = 0
+            take = self._order[self._pos : self._pos + need]
+            self._pos += len(take)
+            need -= len(take)
+            out.append(take)
+        return np.concatenate(out)
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """([batch, frames, dim] float32 chunks, [batch] int64 labels)."""
+        idx = self._next_indices()
+        length = int(self.rng.integers(self.lo, self.hi + 1))
+        x = np.stack([crop(self.feats[i], length, self.rng) for i in idx]).astype(np.float32)
+        return x, self.labels[idx]

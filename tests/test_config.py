@@ -1,0 +1,70 @@
+"""Config validation: bad fields are refused at load with the field named."""
+
+from pathlib import Path
+
+import pytest
+
+from fedvox.errors import ConfigError
+from fedvox.experiment.config import (
+    ExperimentConfig,
+    config_from_dict,
+    dump_toml,
+    load_config,
+    parse_override,
+)
+
+
+def test_defaults_roundtrip_through_toml(tmp_path: Path) -> None:
+    cfg = ExperimentConfig()
+    p = tmp_path / "c.toml"
+    p.write_text(dump_toml(cfg))
+    again = load_config(p)
+    assert again == cfg
+    assert again.hash() == cfg.hash()
+
+
+@pytest.mark.parametrize(
+    ("d", "field"),
+    [
+        ({"train": {"lr": -1}}, "train.lr"),
+        ({"train": {"steps": 0}}, "train.steps"),
+        ({"train": {"lrr": 1}}, "train.lrr"),
+        ({"model": {"norm": "weird"}}, "model.norm"),
+        ({"train": {"chunk_frames": [400, 200]}}, "train"),
+        ({"data": {"synthetic": {"difficulty": "extreme"}}}, "data.synthetic.difficulty"),
+        ({"data": {"train": "/some/dir"}}, "data"),
+        ({"train": {"augment": {"speed_factors": [1.0]}}}, "train.augment"),
+    ],
+)
+def test_bad_fields_are_named(d: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict(d)
+    assert f"field '{field}" in str(exc.value)
+    assert "Fix:" in str(exc.value)
+
+
+def test_file_errors_name_the_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text("[train\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"bad\.toml"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_overrides_apply_and_validate(tmp_path: Path) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text("name = 'x'\n[train]\nsteps = 10\n")
+    cfg = load_config(
+        p, dict([parse_override("train.steps=20"), parse_override("model.name=ecapa-small")])
+    )
+    assert cfg.train.steps == 20
+    assert cfg.model.name == "ecapa-small"
+    with pytest.raises(ConfigError, match=r"train\.steps"):
+        load_config(p, dict([parse_override("train.steps=-3")]))
+
+
+def test_hash_changes_with_any_field() -> None:
+    a = ExperimentConfig()
+    b = config_from_dict({"train": {"lr": 0.001}})
+    assert a.hash() != b.hash()

@@ -1,0 +1,223 @@
+"""End-to-end runs through the command line on a tiny synthetic corpus.
+
+One test per user-facing command: train, determinism, resume after SIGKILL, eval on an
+external data dir, enroll/verify, export, and clear errors for bad configs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fedvox.cli import app
+from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
+
+runner = CliRunner()
+
+TINY = """
+name = "tiny"
+seed = {seed}
+[data]
+cache_dir = "{cache}"
+workers = 1
+[data.synthetic]
+n_train_speakers = 8
+n_test_speakers = 4
+train_utts_per_speaker = 5
+test_utts_per_speaker = 3
+min_duration_s = 1.0
+max_duration_s = 1.5
+difficulty = "clean"
+[train]
+steps = {steps}
+batch_size = 16
+chunk_frames = [60, 100]
+checkpoint_every = {ckpt}
+warmup_steps = 5
+lr = 0.003
+[eval]
+asnorm_top_n = 4
+lda_dim = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def write_cfg(folder: Path, cache: Path, seed: int = 0, steps: int = 30, ckpt: int = 10) -> Path:
+    p = folder / f"tiny-{seed}-{steps}.toml"
+    p.write_text(TINY.format(seed=seed, cache=cache, steps=steps, ckpt=ckpt))
+    return p
+
+
+def invoke(*args: str):
+    res = runner.invoke(app, [*map(str, args)], catch_exceptions=False)
+    return res
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> Path:
+    d = tmp_path_factory.mktemp("runs")
+    cfg = write_cfg(d, cache, steps=60)
+    res = invoke("train", cfg, "--out", d / "run", "-q")
+    assert res.exit_code == 0, res.output
+    return d / "run"
+
+
+def test_train_writes_a_complete_run_folder(trained: Path) -> None:
+    for name in (
+        "config.toml",
+        "manifest.json",
+        "metrics.jsonl",
+        "model.pt",
+        "metrics.json",
+        "det.png",
+        "report.md",
+        "calibration.json",
+        "backend/backend.npz",
+    ):
+        assert (trained / name).is_file(), name
+    assert list((trained / "checkpoints").glob("ckpt-*.pt"))
+    metrics = json.loads((trained / "metrics.json").read_text())
+    for backend in ("cosine", "asnorm", "plda"):
+        assert 0.0 <= metrics["backends"][backend]["eer"] <= 1.0
+    report = (trained / "report.md").read_text()
+    assert "| system | EER |" in report and "det.png" in report
+    assert "non-learned baseline" in report and "barely trained" in report
+    lines = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in lines if r["kind"] == "train"]
+    assert losses[-1] < losses[0], "training loss must go down"
+
+
+def test_same_seed_same_bits_and_different_seed_differs(
+    tmp_path: Path, cache: Path, trained: Path
+) -> None:
+    a = json.loads((trained / "metrics.json").read_text())
+    res = invoke("train", write_cfg(tmp_path, cache, steps=60), "--out", tmp_path / "again", "-q")
+    assert res.exit_code == 0, res.output
+    b = json.loads((tmp_path / "again" / "metrics.json").read_text())
+    assert a == b  # identical metrics and weight hash
+    res = invoke(
+        "train", write_cfg(tmp_path, cache, seed=1, steps=60), "--out", tmp_path / "other", "-q"
+    )
+    c = json.loads((tmp_path / "other" / "metrics.json").read_text())
+    assert c["weights_sha256"] != a["weights_sha256"]
+    assert c["backends"] != a["backends"]
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path: Path, cache: Path) -> None:
+    cfg = write_cfg(tmp_path, cache, steps=80, ckpt=10)
+    ref = invoke("train", cfg, "--out", tmp_path / "ref", "-q")
+    assert ref.exit_code == 0, ref.output
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedvox.cli", "train", str(cfg), "--out", str(run), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((run / "checkpoints").glob("ckpt-000000020.pt")):
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = invoke("resume", run, "-q")
+    assert res.exit_code == 0, res.output
+    a = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    b = json.loads((run / "metrics.json").read_text())
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert a == b
+
+
+def test_eval_on_an_external_kaldi_dir(trained: Path, tmp_path: Path) -> None:
+    other = ensure_corpus(
+        SyntheticConfig(
+            seed=77,
+            n_train_speakers=2,
+            n_test_speakers=3,
+            train_utts_per_speaker=2,
+            test_utts_per_speaker=3,
+            min_duration_s=1.0,
+            max_duration_s=1.5,
+            difficulty="hard",
+        ),
+        cache_root=tmp_path,
+        workers=1,
+        progress=False,
+    )
+    res = invoke(
+        "eval",
+        trained,
+        "--data",
+        other / "test",
+        "--trials",
+        other / "test" / "trials_kaldi.txt",
+        "--out",
+        tmp_path / "ev",
+        "-q",
+    )
+    assert res.exit_code == 0, res.output
+    m = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert set(m) == {"cosine", "asnorm", "plda"}
+    assert m["cosine"]["n_target"] == 9  # 3 speakers x C(3,2) target pairs
+    assert (tmp_path / "ev" / "det.png").stat().st_size > 1000
+
+
+def test_enroll_verify_round_trip(trained: Path, tmp_path: Path) -> None:
+    root = Path(json.loads((trained / "manifest.json").read_text())["corpus_dir"]) / "test"
+    spk2utt = {}
+    for line in (root / "wav.scp").read_text().splitlines():
+        utt, path = line.split()
+        spk2utt.setdefault(utt.rsplit("-", 1)[0], []).append(root / path)
+    speakers = sorted(spk2utt)
+    own, other = spk2utt[speakers[0]], spk2utt[speakers[1]]
+    prof = tmp_path / "p.json"
+    res = invoke("enroll", trained, *own[:2], "--speaker", speakers[0], "--out", prof)
+    assert res.exit_code == 0, res.output
+    accept = invoke("verify", prof, own[2])
+    reject = invoke("verify", prof, other[0])
+    assert accept.exit_code == 0 and "ACCEPT" in accept.output, accept.output
+    assert reject.exit_code == 1 and "REJECT" in reject.output, reject.output
+
+
+def test_export_torchscript_matches_eager(trained: Path, tmp_path: Path) -> None:
+    res = invoke("export", trained, "--out", tmp_path / "x.pt")
+    assert res.exit_code == 0, res.output
+    m = torch.jit.load(str(tmp_path / "x.pt"))
+    assert m(torch.randn(1, 123, 30)).shape[0] == 1
+
+
+def test_bad_config_is_refused_with_the_field_named(tmp_path: Path) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text("[train]\nsteps = -5\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedvox.cli", "train", str(p)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "train.steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_every_command_has_help() -> None:
+    for cmd in (
+        "demo",
+        "prepare",
+        "train",
+        "resume",
+        "eval",
+        "enroll",
+        "verify",
+        "export",
+        "config",
+    ):
+        res = invoke(cmd, "--help")
+        assert res.exit_code == 0 and "Usage" in res.output, cmd
