@@ -44,6 +44,7 @@ chunk_frames = [60, 100]
 checkpoint_every = {ckpt}
 warmup_steps = 5
 lr = 0.003
+threads = 1
 [eval]
 asnorm_top_n = 4
 lda_dim = 6

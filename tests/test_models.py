@@ -80,7 +80,8 @@ def test_kaldi_size_xvector_parameter_count():
 
 
 def test_small_xvector_has_w1_shapes():
-    model = build_extractor("xvector-small", 30)
+    assert build_extractor("xvector-small", 30).embedding_layer == "b"  # preset default
+    model = build_extractor("xvector-small", 30, embedding_layer="a")  # W1's exact stack
     convs = [layer.conv for layer in model.frame_layers]
     assert [tuple(c.weight.shape) for c in convs] == [
         (256, 30, 5),

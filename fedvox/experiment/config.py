@@ -112,18 +112,18 @@ class ModelSection(_Strict):
 class TrainSection(_Strict):
     """Centralised training on random chunks."""
 
-    steps: int = Field(3000, ge=1)
+    steps: int = Field(700, ge=1)
     batch_size: int = Field(64, ge=2)
-    chunk_frames: tuple[int, int] = (200, 400)
+    chunk_frames: tuple[int, int] = (200, 300)
     optimizer: Literal["adam", "sgd"] = "adam"
     lr: float = Field(2e-3, gt=0)
     final_lr: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(100, ge=0)
     weight_decay: float = Field(1e-4, ge=0)
     max_grad_norm: float | None = Field(10.0, gt=0)
-    checkpoint_every: int = Field(500, ge=1)
+    checkpoint_every: int = Field(100, ge=1)
     threads: int = Field(
-        1, ge=1, description="torch threads; results are identical only for the same value"
+        2, ge=1, description="torch threads; results are identical only for the same value"
     )
     augment: AugmentSection = AugmentSection()
 
@@ -142,7 +142,7 @@ class EvalSection(_Strict):
 
     backends: tuple[Literal["cosine", "asnorm", "plda"], ...] = ("cosine", "asnorm", "plda")
     asnorm_top_n: int = Field(100, ge=1)
-    lda_dim: int = Field(200, ge=2)
+    lda_dim: int = Field(150, ge=2)
     max_train_utts: int = Field(
         4000, ge=10, description="training utterances embedded for mean/cohort/PLDA"
     )

@@ -75,7 +75,8 @@ def fit_backend(
     """Training mean always; the cohort for AS-norm and PLDA only when those back ends run."""
     backends = section.backends if backends is None else backends
     mean = train_emb.mean(axis=0)
-    cohort = cohort_from_training(train_emb - mean, train_spk) if "asnorm" in backends else None
+    # raw embeddings: score_trials subtracts `mean` from cohort rows itself (WeSpeaker order)
+    cohort = cohort_from_training(train_emb, train_spk) if "asnorm" in backends else None
     plda = None
     if "plda" in backends and len(set(train_spk)) > 2:
         plda = PLDABackend(lda_dim=section.lda_dim).fit(train_emb, np.asarray(train_spk))
