@@ -13,12 +13,22 @@ from pathlib import Path
 from typing import IO
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
 def atomic_write(path: str | Path, writer: Callable[[IO[bytes]], None]) -> Path:
     """Write via `writer(fileobj)` into a temp file beside `path`, fsync, then rename over it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
         with os.fdopen(fd, "wb") as f:
             writer(f)
             f.flush()

@@ -326,6 +326,30 @@ def export(
 
 
 @app.command()
+def compare(
+    runs: Annotated[
+        list[Path], typer.Argument(help="Run folders to compare (federated and centralised).")
+    ],
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Folder for compare.md and the plots.")
+    ] = Path("runs/compare"),
+    target: Annotated[
+        float | None,
+        typer.Option(
+            help="Target EER as a fraction (e.g. 0.1); default: the worst of the federated runs' best EERs."
+        ),
+    ] = None,
+) -> None:
+    """Compare runs: EER vs client trips and vs virtual hours, and a table of the trips and
+    virtual hours each run needs to reach a target EER."""
+    from fedvox.experiment.compare import compare_runs
+
+    path = compare_runs(runs, out_dir, target)
+    out.print(path.read_text())
+    out.print(f"written: {path}, {out_dir / 'eer_vs_trips.png'}, {out_dir / 'eer_vs_hours.png'}")
+
+
+@app.command()
 def config(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Write to a file instead of printing.")

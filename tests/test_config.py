@@ -68,3 +68,11 @@ def test_hash_changes_with_any_field() -> None:
     a = ExperimentConfig()
     b = config_from_dict({"train": {"lr": 0.001}})
     assert a.hash() != b.hash()
+
+
+def test_shipped_configs_validate() -> None:
+    configs = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.toml"))
+    assert configs
+    for p in configs:
+        cfg = load_config(p)
+        assert cfg.name == p.stem

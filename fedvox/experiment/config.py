@@ -151,6 +151,57 @@ class EvalSection(_Strict):
     )
 
 
+class PartitionSection(_Strict):
+    """Who holds which training speakers (fedvox.data.partition)."""
+
+    scheme: Literal["speaker", "k_speakers", "dirichlet", "quantity_skew"] = "speaker"
+    k: int = Field(1, ge=1, description="speakers per client (k_speakers)")
+    n_clients: int | None = Field(None, ge=1, description="clients (dirichlet, quantity_skew)")
+    alpha: float = Field(0.5, gt=0, description="Dirichlet concentration")
+    sigma: float = Field(1.0, gt=0, description="quantity-skew spread")
+    min_utts: int = Field(1, ge=1)
+
+
+class FederatedSection(_Strict):
+    """Federated training on the virtual clock (fedvox.fl); absent = centralised training.
+
+    The speaker head is a global softmax/AAM over all training speakers: its rows are
+    visible to the server (a voiceprint leak that Federated Reconstruction removes).
+    """
+
+    algorithm: Literal["fedavg", "fedbuff", "fedasync"] = "fedavg"
+    server_optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
+    server_lr: float = Field(1.0, gt=0)
+    server_momentum: float = Field(0.0, ge=0, lt=1)
+    concurrency: int = Field(100, ge=1, description="clients training at once (C)")
+    buffer_size: int = Field(10, ge=1, description="FedBuff K: updates per server step")
+    staleness: Literal["sqrt", "constant", "polynomial", "hinge"] = "sqrt"
+    max_staleness: int | None = Field(None, ge=0)
+    async_alpha: float = Field(0.5, gt=0, le=1, description="FedAsync mixing weight")
+    over_selection: float = Field(0.0, ge=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    delay: Literal["half_normal", "uniform", "exponential", "constant"] = "half_normal"
+    delay_mean_s: float = Field(60.0, gt=0, description="mean client trip, virtual seconds")
+    local_epochs: int = Field(1, ge=1)
+    local_batch_size: int = Field(16, ge=1)
+    local_lr: float = Field(0.05, gt=0)
+    mu: float = Field(0.0, ge=0, description="FedProx proximal weight")
+    chunk_frames: int = Field(200, ge=20, description="fixed training-chunk length on clients")
+    server_steps: int = Field(200, ge=1)
+    eval_every: int = Field(20, ge=1, description="server steps between held-out evaluations")
+    checkpoint_every: int = Field(20, ge=1, description="server steps between checkpoints")
+    partition: PartitionSection = PartitionSection()
+
+    @model_validator(mode="after")
+    def _check(self) -> FederatedSection:
+        if self.algorithm == "fedbuff" and self.buffer_size > self.concurrency:
+            raise ValueError(
+                f"buffer_size: K={self.buffer_size} > concurrency C={self.concurrency}: the "
+                "buffer could never fill; use K <= C"
+            )
+        return self
+
+
 class ExperimentConfig(_Strict):
     """A whole run: data, features, model, training, evaluation, and the seed."""
 
@@ -161,6 +212,14 @@ class ExperimentConfig(_Strict):
     model: ModelSection = ModelSection()
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
+    federated: FederatedSection | None = None
+
+    def model_norm(self) -> str | None:
+        """The extractor's normalisation: the config's, else LayerNorm for federated runs
+        (vectorised clients cannot carry BatchNorm statistics), else the preset's."""
+        if self.model.norm is not None:
+            return self.model.norm
+        return "layer" if self.federated is not None else None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field, defaults included (the resolved config)."""
@@ -178,7 +237,7 @@ def _first_error(err: ValidationError, source: str | None) -> ConfigError:
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         msg, fix = "unknown field", "remove it or check its spelling (see `fedvox config --help`)"
-    elif "input" in e and e["type"] != "missing":
+    elif "input" in e and e["type"] != "missing" and not isinstance(e["input"], dict):
         msg = f"{msg} (got {e['input']!r})"
         fix = "see the default config printed by `fedvox config`"
     else:

@@ -31,11 +31,19 @@ def results_table(rows: list[tuple[str, dict]]) -> str:
 
 
 def learning_curve_table(points: list[dict]) -> str:
+    """Markdown table of the evaluations made during training (federated runs add client
+    trips and virtual hours)."""
     if not points:
         return ""
-    lines = ["| step | train loss | cosine EER |", "|---|---|---|"]
+    fed = "trips" in points[0]
+    head = "| step | train loss | cosine EER |" + (" client trips | virtual hours |" if fed else "")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in points:
-        lines.append(f"| {p['step']} | {p.get('loss', float('nan')):.3f} | {pct(p['eer'])} |")
+        loss = p.get("loss")
+        row = f"| {p['step']} | {'-' if loss is None else f'{loss:.3f}'} | {pct(p['eer'])} |"
+        if fed:
+            row += f" {p['trips']} | {p['virtual_time_s'] / 3600:.2f} |"
+        lines.append(row)
     return "\n".join(lines)
 
 

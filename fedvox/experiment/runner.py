@@ -33,6 +33,11 @@ from fedvox.training.centralised import TrainState, init_training, set_determini
 MODEL_FILE = "model.pt"
 
 
+def total_steps(cfg: ExperimentConfig) -> int:
+    """Optimiser steps of a run: centralised steps or federated server steps."""
+    return cfg.federated.server_steps if cfg.federated is not None else cfg.train.steps
+
+
 def eval_points(steps: int) -> list[int]:
     """Steps with a quick cosine evaluation: a barely trained point (1%), then quarters."""
     pts = {max(1, steps // 100), steps // 4, steps // 2, 3 * steps // 4}
@@ -54,7 +59,7 @@ def save_model(run: RunFolder, cfg: ExperimentConfig, extractor: nn.Module, feat
     """The trained extractor with what is needed to rebuild it (atomic)."""
     blob = {
         "model_name": cfg.model.name,
-        "norm": cfg.model.norm,
+        "norm": cfg.model_norm(),
         "embedding_layer": cfg.model.embedding_layer,
         "feat_dim": feat_dim,
         "extractor": extractor.state_dict(),
@@ -173,7 +178,7 @@ def finish_run(
         first = curve[0]
         rows.append(
             (
-                f"barely trained (step {first['step']} of {cfg.train.steps}) + cosine",
+                f"barely trained (step {first['step']} of {total_steps(cfg)}) + cosine",
                 first,
             )
         )
@@ -208,10 +213,33 @@ def run_experiment(
         n_trials=len(data.trials),
         corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
     )
+    if cfg.federated is not None:
+        return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
     state = init_training(
         cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
     )
     return _train_and_finish(run, cfg, data, state, progress)
+
+
+def _federated_and_finish(
+    run: RunFolder, cfg: ExperimentConfig, data: PreparedData, resume: bool, progress: bool
+) -> RunOutcome:
+    from fedvox.experiment.federated import run_federated
+
+    t0 = time.perf_counter()
+    task = run_federated(run, cfg, data, resume=resume, progress=progress)
+    save_model(run, cfg, task.extractor, data.feat_dim)
+    result, backend = evaluate_extractor(
+        task.extractor,
+        data.train_feats,
+        data.train_corpus.speaker_of,
+        data.test_feats,
+        data.trials,
+        cfg.eval,
+        progress=progress,
+    )
+    baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
+    return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, task.extractor)
 
 
 def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
@@ -219,6 +247,8 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     run = RunFolder.open(path)
     cfg = run.config()
     data = prepare(cfg, progress=progress)
+    if cfg.federated is not None:
+        return _federated_and_finish(run, cfg, data, resume=True, progress=progress)
     utts, labels = data.train_labels()
     state = init_training(
         cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())

@@ -27,6 +27,12 @@ def speaker_loss(extractor: nn.Module, head: nn.Module, feats: Tensor, labels: T
     return F.cross_entropy(head(_head_input(extractor, feats), labels), labels)
 
 
+def speaker_losses(extractor: nn.Module, head: nn.Module, feats: Tensor, labels: Tensor) -> Tensor:
+    """Per-example cross-entropy [B]: the federated engine masks padded examples with it."""
+    logits = head(_head_input(extractor, feats), labels)
+    return F.cross_entropy(logits, labels, reduction="none")
+
+
 def train_step(
     extractor: nn.Module,
     head: nn.Module,

@@ -40,7 +40,7 @@ def build_models(
     overrides = {}
     if cfg.model.embedding_layer is not None:
         overrides["embedding_layer"] = cfg.model.embedding_layer
-    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model.norm, **overrides)
+    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **overrides)
     emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
     head = AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
     return extractor, head

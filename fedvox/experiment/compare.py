@@ -1,0 +1,269 @@
+"""Run comparison (`fedvox compare RUN RUN…`): EER against client trips and virtual hours.
+
+Reads finished run folders' metrics.jsonl eval records; writes two plots and a markdown table.
+
+Target: when none is given, the target EER is the worst of the federated runs' best EERs
+(of all runs' when none is federated), so every compared run reaches it. Trips and hours to
+target are linearly interpolated between the two evaluations around the first crossing.
+Centralised runs (eval records without "trips"/"virtual_time_s") are listed with their final
+and best EER but left out of the plots and the to-target columns.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shlex
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from fedvox.atomic import atomic_write, atomic_write_text
+from fedvox.errors import DataError
+
+METRICS = "metrics.jsonl"
+CONFIG = "config.toml"
+
+
+@dataclass
+class RunCurve:
+    """One run's held-out EER curve; trips/hours are NaN for a centralised run."""
+
+    name: str
+    path: Path
+    trips: np.ndarray
+    hours: np.ndarray
+    eer: np.ndarray
+    steps: np.ndarray
+
+    @property
+    def federated(self) -> bool:
+        return bool(self.trips.size) and bool(np.all(np.isfinite(self.trips)))
+
+
+def _run_name(run: Path) -> str:
+    cfg = run / CONFIG
+    if not cfg.is_file():
+        return run.name
+    try:
+        name = tomllib.loads(cfg.read_text()).get("name")
+    except tomllib.TOMLDecodeError as e:
+        raise DataError(
+            cfg, f"not valid TOML ({e})", "fix or restore the run's config.toml"
+        ) from None
+    return name if isinstance(name, str) and name else run.name
+
+
+def _number(rec: dict, key: str, path: Path, line: int) -> float:
+    v = rec.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise DataError(
+            path, f"eval record has no finite number '{key}' (got {v!r})", "fix the line", line
+        )
+    return float(v)
+
+
+def load_curve(run: str | Path) -> RunCurve:
+    """Read the eval records of one run folder, in logged order, sorted by server step."""
+    run = Path(run)
+    metrics = run / METRICS
+    if not metrics.is_file():
+        raise DataError(
+            metrics,
+            "not a run folder (no metrics.jsonl)",
+            "give folders that `fedvox train` wrote",
+        )
+    lines = metrics.read_text().splitlines()
+    rows: list[tuple[int, float, float, float]] = []
+    fed_lines: list[int] = []
+    cen_lines: list[int] = []
+    for i, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            rec = json.loads(text)
+        except json.JSONDecodeError:
+            if i == len(lines):  # a crash mid-append tears only the last line
+                continue
+            raise DataError(
+                metrics, "not a JSON line", "remove or repair the corrupted line", i
+            ) from None
+        if not isinstance(rec, dict) or rec.get("kind") != "eval":
+            continue
+        eer = _number(rec, "eer", metrics, i)
+        step = int(_number(rec, "step", metrics, i)) if "step" in rec else len(rows)
+        if "trips" in rec or "virtual_time_s" in rec:
+            trips = _number(rec, "trips", metrics, i)
+            hours = _number(rec, "virtual_time_s", metrics, i) / 3600.0
+            fed_lines.append(i)
+        else:
+            trips = hours = math.nan
+            cen_lines.append(i)
+        rows.append((step, trips, hours, eer))
+    if not rows:
+        raise DataError(
+            metrics,
+            'no eval records (kind = "eval")',
+            "let the run reach its first evaluation, or check it is a training run",
+        )
+    if fed_lines and cen_lines:
+        raise DataError(
+            metrics,
+            "eval record without trips/virtual_time_s in a federated run",
+            "every eval record of a federated run needs both",
+            cen_lines[0],
+        )
+    rows.sort(key=lambda r: r[0])  # stable: equal steps keep their logged order
+    arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
+    return RunCurve(
+        name=_run_name(run),
+        path=run,
+        trips=arr[:, 1],
+        hours=arr[:, 2],
+        eer=arr[:, 3],
+        steps=arr[:, 0].astype(np.int64),
+    )
+
+
+def to_target(curve: RunCurve, target_eer: float) -> tuple[float | None, float | None]:
+    """(trips, virtual hours) at which EER first reaches <= target; None if never.
+
+    Linear between the eval before the crossing and the first one at or under the target; a
+    first evaluation already at target counts at its own trips. (None, None) for a
+    centralised run, which has no trips.
+    """
+    if not curve.federated:
+        return None, None
+    hit = np.flatnonzero(curve.eer <= target_eer)
+    if hit.size == 0:
+        return None, None
+    i = int(hit[0])
+    if i == 0:
+        return float(curve.trips[0]), float(curve.hours[0])
+    e0, e1 = curve.eer[i - 1], curve.eer[i]
+    frac = (e0 - target_eer) / (e0 - e1)  # e0 > target >= e1, so 0 < frac <= 1
+    trips = curve.trips[i - 1] + frac * (curve.trips[i] - curve.trips[i - 1])
+    hours = curve.hours[i - 1] + frac * (curve.hours[i] - curve.hours[i - 1])
+    return float(trips), float(hours)
+
+
+def default_target(curves: Sequence[RunCurve]) -> float:
+    """The worst of the (federated, else all) runs' best EERs: every such run reaches it."""
+    pool = [c for c in curves if c.federated] or list(curves)
+    return float(max(c.eer.min() for c in pool))
+
+
+def _labels(curves: Sequence[RunCurve]) -> list[str]:
+    """Run names, with the folder added where two runs share a name."""
+    names = [c.name for c in curves]
+    return [f"{c.name} ({c.path.name})" if names.count(c.name) > 1 else c.name for c in curves]
+
+
+def _plot(
+    curves: Sequence[RunCurve],
+    labels: Sequence[str],
+    x_of: str,
+    xlabel: str,
+    target: float,
+    path: Path,
+) -> Path:
+    fig = Figure(figsize=(6.4, 4.4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    xs_all = []
+    for c, label in zip(curves, labels, strict=True):
+        if not c.federated:
+            continue
+        x = getattr(c, x_of)
+        xs_all.append(x)
+        ax.plot(x, 100 * c.eer, marker="o", ms=3, lw=1.5, label=label)
+    if xs_all:
+        ax.axhline(100 * target, ls="--", lw=0.8, color="grey", label=f"target {100 * target:.2f}%")
+        xs = np.concatenate(xs_all)
+        # log x once the runs span over two decades of trips/hours
+        if xs.min() > 0 and xs.max() / xs.min() > 100:
+            ax.set_xscale("log")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(
+            0.5, 0.5, "no federated runs to plot", ha="center", va="center", transform=ax.transAxes
+        )
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("EER (%)")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "not reached" if x is None else format(x, spec)
+
+
+def compare_runs(
+    runs: Sequence[str | Path], out_dir: str | Path, target_eer: float | None = None
+) -> Path:
+    """Write eer_vs_trips.png, eer_vs_hours.png and compare.md into out_dir; return compare.md."""
+    if not runs:
+        raise DataError(None, "no run folders to compare", "pass one or more RUN folders")
+    out_dir = Path(out_dir)
+    curves = [load_curve(r) for r in runs]
+    labels = _labels(curves)
+    given = target_eer is not None
+    target = float(target_eer) if target_eer is not None else default_target(curves)
+
+    _plot(curves, labels, "trips", "client trips", target, out_dir / "eer_vs_trips.png")
+    _plot(curves, labels, "hours", "virtual hours", target, out_dir / "eer_vs_hours.png")
+
+    rule = (
+        "given with --target"
+        if given
+        else "default: the worst of the federated runs' best EERs, so every one reaches it"
+    )
+    md = [
+        "# fedvox compare",
+        "",
+        "```",
+        "fedvox compare " + " ".join(shlex.quote(str(r)) for r in runs),
+        "```",
+        "",
+        f"Target EER: **{100 * target:.2f}%** ({rule}).",
+        "Trips and virtual hours to target are linearly interpolated between the two",
+        "evaluations around the first crossing.",
+        "",
+        "| run | final EER | best EER | trips to target | virtual hours to target |",
+        "|---|---|---|---|---|",
+    ]
+    notes = []
+    for c, label in zip(curves, labels, strict=True):
+        name = label.replace("|", "\\|")
+        final, best = f"{100 * c.eer[-1]:.2f}%", f"{100 * c.eer.min():.2f}%"
+        if c.federated:
+            trips, hours = to_target(c, target)
+            md.append(
+                f"| {name} | {final} | {best} | {_fmt(trips, '.1f')} | {_fmt(hours, '.3f')} |"
+            )
+        else:
+            md.append(f"| {name} | {final} | {best} | — (centralised) | — (centralised) |")
+            notes.append(
+                f"- {label}: no trips/virtual time in its eval records (centralised run): "
+                "listed with its EER, left out of the plots."
+            )
+    md += ["", "Runs:", *(f"- {lab}: `{c.path}`" for c, lab in zip(curves, labels, strict=True))]
+    if notes:
+        md += ["", "Notes:", *notes]
+    md += [
+        "",
+        "![EER vs client trips](eer_vs_trips.png)",
+        "",
+        "![EER vs virtual hours](eer_vs_hours.png)",
+        "",
+    ]
+    return atomic_write_text(out_dir / "compare.md", "\n".join(md))

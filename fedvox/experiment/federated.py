@@ -1,0 +1,330 @@
+"""Federated speaker training: the x-vector trained by the engine on a virtual clock.
+
+Wires prepared features, a partition of training speakers over clients, the speaker task
+(extractor + global AAM head) and the fedvox.fl simulator into a resumable run folder.
+The global head's rows are per-speaker vectors the server sees: a voiceprint leak that
+Federated Reconstruction (local speaker parameters) removes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
+from fedvox.experiment.config import ExperimentConfig, FederatedSection
+from fedvox.experiment.evaluate import evaluate_extractor
+from fedvox.experiment.prepare import PreparedData
+from fedvox.experiment.runfolder import RunFolder
+from fedvox.fl import (
+    ClientConfig,
+    DelayModel,
+    Population,
+    Simulator,
+    SimulatorConfig,
+    make_algorithm,
+    make_server_optimizer,
+)
+from fedvox.models import build_extractor
+from fedvox.models.heads import AAMSoftmax, margin_schedule
+from fedvox.models.step import speaker_losses
+from fedvox.training.centralised import PURPOSE_INIT, set_determinism
+
+PARTITION_FILE = "partition.json"
+TRIPS_FILE = "trips.jsonl"
+
+
+def fixed_chunks(feats: np.ndarray, length: int) -> np.ndarray:
+    """Non-overlapping `length`-frame chunks of one utterance [n, length, dim] (at least one;
+    a short utterance is tiled)."""
+    n = feats.shape[0]
+    if n < length:
+        reps = -(-length // n)
+        return np.tile(feats, (reps, 1))[None, :length]
+    k = n // length
+    return feats[: k * length].reshape(k, length, feats.shape[1])
+
+
+def chunk_store(
+    feats: dict[str, np.ndarray], utts: list[str], labels: np.ndarray, length: int
+) -> tuple[dict[str, Tensor], list[np.ndarray]]:
+    """One shared store {"x": [N, L, D], "y": [N]} and the chunk rows of each utterance."""
+    xs, ys, rows, start = [], [], [], 0
+    for u, y in zip(utts, labels, strict=True):
+        c = fixed_chunks(feats[u], length)
+        xs.append(c)
+        ys.append(np.full(len(c), y, dtype=np.int64))
+        rows.append(np.arange(start, start + len(c)))
+        start += len(c)
+    store = {"x": torch.from_numpy(np.concatenate(xs)), "y": torch.from_numpy(np.concatenate(ys))}
+    return store, rows
+
+
+class SpeakerTask(nn.Module):
+    """The engine's task: extractor + AAM head, per-example loss as a pure function."""
+
+    def __init__(self, extractor: nn.Module, head: AAMSoftmax):
+        super().__init__()
+        self.extractor = extractor
+        self.head = head
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return speaker_losses(self.extractor, self.head, x, y)
+
+    def init_params(self) -> dict[str, Tensor]:
+        return {n: p.detach().clone() for n, p in self.named_parameters()}
+
+    def loss(self, params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
+        return functional_call(self, params, (batch["x"], batch["y"]))
+
+    def load_params(self, params: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                p.copy_(params[n])
+
+
+def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> SpeakerTask:
+    """Extractor with batch-independent LayerNorm (vmap over clients cannot carry BatchNorm
+    statistics) unless the config names a norm, plus the global AAM head."""
+    torch.manual_seed(np.random.SeedSequence([cfg.seed, PURPOSE_INIT]).generate_state(1)[0])
+    kw = {} if cfg.model.embedding_layer is None else {"embedding_layer": cfg.model.embedding_layer}
+    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **kw)
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in extractor.modules()):
+        from fedvox.errors import ConfigError
+
+        raise ConfigError(
+            "model.norm",
+            "BatchNorm cannot be trained by vectorised federated clients",
+            'use model.norm = "layer" (or leave it unset) for federated runs',
+        )
+    emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
+    return SpeakerTask(
+        extractor, AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
+    )
+
+
+def partition_config(f: FederatedSection) -> PartitionConfig:
+    p = f.partition
+    return PartitionConfig(
+        scheme=p.scheme,
+        k=p.k,
+        n_clients=p.n_clients,
+        alpha=p.alpha,
+        sigma=p.sigma,
+        min_utts=p.min_utts,
+    )
+
+
+@dataclass
+class FederatedSetup:
+    """Everything a federated run is built from; rebuilt identically on resume."""
+
+    task: SpeakerTask
+    simulator: Simulator
+    partition: Partition
+    records: list[dict] = field(default_factory=list)
+
+
+def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
+    """Partition → population of fixed chunks → task → algorithm → simulator."""
+    f = cfg.federated
+    assert f is not None
+    utts, labels = data.train_labels()
+    part = partition_corpus(
+        utts,
+        data.train_corpus.speaker_of,
+        partition_config(f),
+        seed=cfg.seed,
+        exclude_speakers=data.test_corpus.speakers(),
+    )
+    store, rows = chunk_store(data.train_feats, utts, labels, f.chunk_frames)
+    row_of = dict(zip(utts, rows, strict=True))
+    clients = [np.concatenate([row_of[u] for u in client]) for client in part.clients]
+    population = Population(store, clients, seed=cfg.seed)
+    task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
+    opt_kw = {"lr": f.server_lr}
+    if f.server_optimizer == "sgd":
+        opt_kw["momentum"] = f.server_momentum
+    server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
+    if f.algorithm == "fedavg":
+        algorithm = make_algorithm("fedavg", server_opt=server_opt)
+    elif f.algorithm == "fedbuff":
+        algorithm = make_algorithm(
+            "fedbuff",
+            buffer_size=f.buffer_size,
+            server_opt=server_opt,
+            staleness=f.staleness,
+            max_staleness=f.max_staleness,
+        )
+    else:
+        algorithm = make_algorithm(
+            "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
+        )
+    setup = FederatedSetup(task, None, part)  # type: ignore[arg-type]
+    sim = Simulator(
+        task,
+        population,
+        algorithm,
+        ClientConfig(epochs=f.local_epochs, batch_size=f.local_batch_size, lr=f.local_lr, mu=f.mu),
+        SimulatorConfig(
+            concurrency=f.concurrency,
+            delay=DelayModel(distribution=f.delay, mean=f.delay_mean_s),
+            over_selection=f.over_selection,
+            dropout=f.dropout,
+            seed=cfg.seed,
+        ),
+        callback=setup.records.append,
+    )
+    setup.simulator = sim
+    return setup
+
+
+def _server_record(r: dict) -> dict:
+    keep = (
+        "server_step",
+        "time",
+        "updates",
+        "loss",
+        "staleness",
+        "concurrency",
+        "trips_completed",
+        "bytes_down",
+        "bytes_up",
+        "dropped_out",
+        "stale",
+        "cancelled",
+    )
+    out = {k: r[k] for k in keep if k in r}
+    out["kind"] = "server"
+    out["step"] = r["server_step"]
+    out["trips"] = r["trips_completed"]
+    out["virtual_time_s"] = r["time"]
+    return out
+
+
+def quick_eval(task: SpeakerTask, cfg: ExperimentConfig, data: PreparedData) -> dict:
+    """Held-out cosine EER/minDCF of the current global extractor."""
+    section = cfg.eval.model_copy(update={"max_train_utts": min(500, cfg.eval.max_train_utts)})
+    res, _ = evaluate_extractor(
+        task.extractor,
+        data.train_feats,
+        data.train_corpus.speaker_of,
+        data.test_feats,
+        data.trials,
+        section,
+        backends=("cosine",),
+        progress=False,
+    )
+    return res.metrics["cosine"].to_dict()
+
+
+def run_federated(
+    run: RunFolder, cfg: ExperimentConfig, data: PreparedData, resume: bool, progress: bool
+) -> SpeakerTask:
+    """Train to cfg.federated.server_steps, evaluating and checkpointing on the way.
+
+    Logs go to metrics.jsonl (server steps, evaluations) and trips.jsonl (every client trip).
+    A checkpoint holds the simulator's whole state and the log lines written so far, so a
+    run killed at any moment resumes to the same bits and the same logs.
+    """
+    from fedvox.cli_progress import task_progress
+
+    f = cfg.federated
+    assert f is not None
+    set_determinism(cfg.train.threads)
+    setup = build_setup(cfg, data)
+    sim, task = setup.simulator, setup.task
+    trips_path = run.path / TRIPS_FILE
+    if resume and (found := run.load_latest_checkpoint()) is not None:
+        _, ckpt = found
+        sim.load_state_dict(ckpt["simulator"])
+        _truncate_lines(run.metrics_path, ckpt["log_lines"]["metrics"])
+        _truncate_lines(trips_path, ckpt["log_lines"]["trips"])
+    else:
+        setup.partition.save(run.path / PARTITION_FILE)
+        _truncate_lines(run.metrics_path, 0)
+        _truncate_lines(trips_path, 0)
+    t0 = time.perf_counter()
+    with task_progress("federated", f.server_steps, enabled=progress) as tick:
+        tick(sim.server_step)
+        while sim.server_step < f.server_steps:
+            step = sim.server_step
+            nxt = min(
+                f.server_steps,
+                (step // f.eval_every + 1) * f.eval_every,
+                (step // f.checkpoint_every + 1) * f.checkpoint_every,
+            )
+            task.head.set_margin(
+                margin_schedule(step / f.server_steps, cfg.model.margin, *cfg.model.margin_ramp)
+            )
+            sim.run(max_server_steps=nxt)
+            if sim.server_step == step:  # nothing left to happen (e.g. everyone dropped out)
+                break
+            metrics = [_server_record(r) for r in setup.records if r["kind"] == "server_step"]
+            trips = [r for r in setup.records if r["kind"] == "trip"]
+            setup.records.clear()
+            if sim.server_step % f.eval_every == 0 or sim.server_step == f.server_steps:
+                task.load_params(sim.params)
+                m = quick_eval(task, cfg, data)
+                metrics.append(
+                    {
+                        "kind": "eval",
+                        "step": sim.server_step,
+                        "trips": sim.counters["trips_completed"],
+                        "virtual_time_s": sim.time,
+                        "bytes_up": sim.counters["bytes_up"],
+                        "bytes_down": sim.counters["bytes_down"],
+                        "loss": metrics[-1]["loss"] if metrics else None,
+                        **m,
+                    }
+                )
+            _append_lines(run.metrics_path, metrics)
+            _append_lines(trips_path, trips)
+            if sim.server_step % f.checkpoint_every == 0 or sim.server_step >= f.server_steps:
+                run.save_checkpoint(
+                    sim.server_step,
+                    {
+                        "simulator": sim.state_dict(),
+                        "log_lines": {
+                            "metrics": _count_lines(run.metrics_path),
+                            "trips": _count_lines(trips_path),
+                        },
+                    },
+                )
+            tick(sim.server_step - step)
+    task.load_params(sim.params)
+    run.update_manifest(federated_seconds=round(time.perf_counter() - t0, 1))
+    return task
+
+
+def _count_lines(path) -> int:
+    return sum(1 for _ in open(path)) if path.exists() else 0
+
+
+def _append_lines(path, records: list[dict]) -> None:
+    import json
+    import os
+
+    if not records:
+        return
+    with open(path, "a") as fh:
+        fh.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _truncate_lines(path, n: int) -> None:
+    """Keep the first n lines (what the checkpoint had seen); drop a torn tail."""
+    from fedvox.atomic import atomic_write_text
+
+    if not path.exists():
+        if n == 0:
+            path.write_text("")
+        return
+    lines = path.read_text().splitlines(keepends=True)[:n]
+    atomic_write_text(path, "".join(lines))

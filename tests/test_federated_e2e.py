@@ -1,0 +1,152 @@
+"""Federated speaker training end to end: FedAvg and FedBuff runs, SIGKILL + resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fedvox.cli import app
+
+runner = CliRunner()
+
+CFG = """
+name = "fed-{algorithm}"
+seed = {seed}
+[data]
+cache_dir = "{cache}"
+workers = 1
+[data.synthetic]
+n_train_speakers = 8
+n_test_speakers = 4
+train_utts_per_speaker = 5
+test_utts_per_speaker = 3
+min_duration_s = 1.0
+max_duration_s = 1.5
+difficulty = "clean"
+[train]
+threads = 1
+[eval]
+asnorm_top_n = 4
+lda_dim = 6
+[federated]
+algorithm = "{algorithm}"
+concurrency = 4
+buffer_size = 2
+server_steps = {steps}
+eval_every = 4
+checkpoint_every = 2
+chunk_frames = 60
+local_batch_size = 4
+local_lr = 0.02
+delay_mean_s = 30
+"""
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fedcache")
+
+
+def cfg_file(folder: Path, cache: Path, algorithm: str, steps: int = 8, seed: int = 0) -> Path:
+    p = folder / f"{algorithm}-{steps}-{seed}.toml"
+    p.write_text(CFG.format(algorithm=algorithm, cache=cache, steps=steps, seed=seed))
+    return p
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedbuff"])
+def test_federated_run_folder(tmp_path: Path, cache: Path, algorithm: str) -> None:
+    res = runner.invoke(
+        app,
+        ["train", str(cfg_file(tmp_path, cache, algorithm)), "--out", str(tmp_path / "r"), "-q"],
+    )
+    assert res.exit_code == 0, res.output
+    run = tmp_path / "r"
+    part = json.loads((run / "partition.json").read_text())
+    clients = part["clients"]
+    assert len(clients) == 8  # one speaker per device
+    speakers = [{u.rsplit("-", 1)[0] for u in c} for c in clients]
+    assert all(len(s) == 1 for s in speakers)
+    assert not any(s.startswith("syn-test") for c in speakers for s in c)  # held out
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    server = [r for r in recs if r["kind"] == "server"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in server] == list(range(1, 9))
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(
+        {"trips", "virtual_time_s", "bytes_up", "bytes_down", "eer"} <= set(r) for r in evals
+    )
+    times = [r["virtual_time_s"] for r in server]
+    assert times == sorted(times) and times[0] > 0
+    trips = [json.loads(x) for x in (run / "trips.jsonl").read_text().splitlines()]
+    assert sum(t["status"] == "aggregated" for t in trips) == sum(r["updates"] for r in server)
+    if algorithm == "fedbuff":
+        assert all(r["updates"] == 2 for r in server)
+        assert max(t.get("staleness", 0) for t in trips) > 0
+    assert (run / "report.md").read_text().count("client trips") == 1
+
+
+def test_federated_sigkill_resume_is_bit_identical(tmp_path: Path, cache: Path) -> None:
+    cfg = cfg_file(tmp_path, cache, "fedbuff", steps=16)
+    ref = runner.invoke(app, ["train", str(cfg), "--out", str(tmp_path / "ref"), "-q"])
+    assert ref.exit_code == 0, ref.output
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedvox.cli", "train", str(cfg), "--out", str(run), "-q"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not list((run / "checkpoints").glob("ckpt-000000006.pt")):
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    res = runner.invoke(app, ["resume", str(run), "-q"])
+    assert res.exit_code == 0, res.output
+    a = json.loads((tmp_path / "ref" / "metrics.json").read_text())
+    b = json.loads((run / "metrics.json").read_text())
+    assert a["weights_sha256"] == b["weights_sha256"]
+    assert (tmp_path / "ref" / "metrics.jsonl").read_text() == (run / "metrics.jsonl").read_text()
+    assert (tmp_path / "ref" / "trips.jsonl").read_text() == (run / "trips.jsonl").read_text()
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("federated.buffer_size=9", "federated"),
+        ('federated.algorithm="fedsgd"', "federated.algorithm"),
+        ("federated.local_lr=-0.1", "federated.local_lr"),
+        ("federated.concurrency=50", "concurrency"),
+        ('federated.partition.scheme="dirichlet"', "federated.partition"),
+    ],
+)
+def test_impossible_settings_refused_before_training(
+    tmp_path: Path, cache: Path, override: str, field: str
+) -> None:
+    cfg = cfg_file(tmp_path, cache, "fedbuff")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedvox.cli",
+            "train",
+            str(cfg),
+            "--out",
+            str(tmp_path / "x"),
+            "-q",
+            "--set",
+            override,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert field in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((tmp_path / "x").glob("checkpoints/*.pt"))
