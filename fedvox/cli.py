@@ -54,7 +54,6 @@ def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
         cfg = load_config(path, overrides)
     else:
         d = ExperimentConfig().to_dict()
-        d = {k: v for k, v in d.items()}
         for k, v in overrides.items():
             set_dotted(d, k, v)
         cfg = config_from_dict(_strip_none(d), source="defaults + --set")

@@ -13,13 +13,13 @@ import numpy as np
 from torch import nn
 
 from fedvox.atomic import atomic_write
-from fedvox.cli_progress import task_progress
 from fedvox.data.trials import TrialList
 from fedvox.eval.extract import embed_utterances, stats_embeddings
 from fedvox.eval.metrics import VerificationMetrics, compute_eer, evaluate_scores
 from fedvox.eval.plda import PLDABackend
 from fedvox.eval.scoring import cohort_from_training, score_trials
 from fedvox.experiment.config import EvalSection
+from fedvox.progress import task_progress
 
 
 def train_subset(utts: list[str], speakers: list[str], max_utts: int) -> list[int]:

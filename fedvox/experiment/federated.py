@@ -17,10 +17,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
+from fedvox.errors import ConfigError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.evaluate import evaluate_extractor
 from fedvox.experiment.prepare import PreparedData
-from fedvox.experiment.runfolder import RunFolder
+from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import (
     ClientConfig,
     DelayModel,
@@ -33,6 +34,7 @@ from fedvox.fl import (
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import speaker_losses
+from fedvox.progress import task_progress
 from fedvox.training.centralised import PURPOSE_INIT, set_determinism
 
 PARTITION_FILE = "partition.json"
@@ -95,8 +97,6 @@ def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> Speaker
     kw = {} if cfg.model.embedding_layer is None else {"embedding_layer": cfg.model.embedding_layer}
     extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **kw)
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in extractor.modules()):
-        from fedvox.errors import ConfigError
-
         raise ConfigError(
             "model.norm",
             "BatchNorm cannot be trained by vectorised federated clients",
@@ -232,8 +232,6 @@ def run_federated(
     A checkpoint holds the simulator's whole state and the log lines written so far, so a
     run killed at any moment resumes to the same bits and the same logs.
     """
-    from fedvox.cli_progress import task_progress
-
     f = cfg.federated
     assert f is not None
     set_determinism(cfg.train.threads)
@@ -243,12 +241,12 @@ def run_federated(
     if resume and (found := run.load_latest_checkpoint()) is not None:
         _, ckpt = found
         sim.load_state_dict(ckpt["simulator"])
-        _truncate_lines(run.metrics_path, ckpt["log_lines"]["metrics"])
-        _truncate_lines(trips_path, ckpt["log_lines"]["trips"])
+        truncate_lines(run.metrics_path, ckpt["log_lines"]["metrics"])
+        truncate_lines(trips_path, ckpt["log_lines"]["trips"])
     else:
         setup.partition.save(run.path / PARTITION_FILE)
-        _truncate_lines(run.metrics_path, 0)
-        _truncate_lines(trips_path, 0)
+        truncate_lines(run.metrics_path, 0)
+        truncate_lines(trips_path, 0)
     t0 = time.perf_counter()
     with task_progress("federated", f.server_steps, enabled=progress) as tick:
         tick(sim.server_step)
@@ -283,16 +281,16 @@ def run_federated(
                         **m,
                     }
                 )
-            _append_lines(run.metrics_path, metrics)
-            _append_lines(trips_path, trips)
+            append_jsonl(run.metrics_path, metrics)
+            append_jsonl(trips_path, trips)
             if sim.server_step % f.checkpoint_every == 0 or sim.server_step >= f.server_steps:
                 run.save_checkpoint(
                     sim.server_step,
                     {
                         "simulator": sim.state_dict(),
                         "log_lines": {
-                            "metrics": _count_lines(run.metrics_path),
-                            "trips": _count_lines(trips_path),
+                            "metrics": count_lines(run.metrics_path),
+                            "trips": count_lines(trips_path),
                         },
                     },
                 )
@@ -300,31 +298,3 @@ def run_federated(
     task.load_params(sim.params)
     run.update_manifest(federated_seconds=round(time.perf_counter() - t0, 1))
     return task
-
-
-def _count_lines(path) -> int:
-    return sum(1 for _ in open(path)) if path.exists() else 0
-
-
-def _append_lines(path, records: list[dict]) -> None:
-    import json
-    import os
-
-    if not records:
-        return
-    with open(path, "a") as fh:
-        fh.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _truncate_lines(path, n: int) -> None:
-    """Keep the first n lines (what the checkpoint had seen); drop a torn tail."""
-    from fedvox.atomic import atomic_write_text
-
-    if not path.exists():
-        if n == 0:
-            path.write_text("")
-        return
-    lines = path.read_text().splitlines(keepends=True)[:n]
-    atomic_write_text(path, "".join(lines))

@@ -71,6 +71,30 @@ def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -
     }
 
 
+def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    """Append JSON lines, flushed and fsynced (a crash can tear only the last line)."""
+    if not records:
+        return
+    with open(path, "a") as f:
+        f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def count_lines(path: Path) -> int:
+    """Number of lines in a text file (0 if it does not exist)."""
+    if not path.exists():
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
+def truncate_lines(path: Path, n: int) -> None:
+    """Keep the first n lines of a log (what a checkpoint had seen), atomically."""
+    lines = path.read_text().splitlines(keepends=True)[:n] if path.exists() else []
+    atomic_write_text(path, "".join(lines))
+
+
 class RunFolder:
     """The folder of one run and the files in it."""
 
@@ -141,10 +165,7 @@ class RunFolder:
     # --- metrics ----------------------------------------------------------------------
     def log_metrics(self, record: dict[str, Any]) -> None:
         """Append one JSON line; flushed and fsynced so a crash loses at most that line."""
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(self.metrics_path, [record])
 
     def read_metrics(self) -> list[dict[str, Any]]:
         """All complete metric lines (a torn last line from a crash is ignored)."""

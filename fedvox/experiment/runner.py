@@ -171,9 +171,12 @@ def finish_run(
     curves = {name: (s[result.labels], s[~result.labels]) for name, s in result.scores.items()}
     plot_det(curves, run.path / "det.png", title=f"DET — {cfg.name}")
     curve = [r for r in run.read_metrics() if r.get("kind") == "eval"]
-    rows = [
-        (f"x-vector ({cfg.model.name}) + {name}", m.to_dict()) for name, m in result.metrics.items()
-    ]
+    system = cfg.model.name
+    if cfg.federated is not None:
+        f = cfg.federated
+        system += f", federated {f.algorithm} C={f.concurrency}"
+        system += f" K={f.buffer_size}" if f.algorithm == "fedbuff" else ""
+    rows = [(f"x-vector ({system}) + {name}", m.to_dict()) for name, m in result.metrics.items()]
     if curve:
         first = curve[0]
         rows.append(

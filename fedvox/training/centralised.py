@@ -15,11 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedvox.cli_progress import training_progress
 from fedvox.experiment.config import ExperimentConfig, TrainSection
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import train_step
+from fedvox.progress import training_progress
 from fedvox.training.chunks import ChunkSampler
 
 PURPOSE_INIT = 0x1417
