@@ -5,23 +5,27 @@ SGD 0.1, FedAvg. Prints s/round (median of rounds 2-6), the FLOP floor measured 
 process, the ratio, peak RSS and the loss trend. Each thread count runs in its own process.
 
     .venv/bin/python benchmarks/bench_w2.py            # threads 1 and 2
-    .venv/bin/python benchmarks/bench_w2.py --threads 1 [--loop] [--chunk 100]
+    .venv/bin/python benchmarks/bench_w2.py --threads 1 [--loop] [--chunk 100] [--lowrank off]
+
+The MLP takes the exact low-rank client path (fedvox/fl/client.py `_train_lowrank`) unless
+--lowrank off selects the generic vmap path.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import forward_flops, keep_freed_memory, matmul_rate, median_rounds, report, train_flops
 
 from fedvox.fl import (
     ClientConfig,
@@ -36,18 +40,6 @@ from fedvox.fl import (
 
 CLIENTS, PER_CLIENT, COHORT, BATCH, LR, CLASSES, DIM = 1000, 50, 100, 10, 0.1, 10, 784
 ROUNDS = 6
-
-
-def matmul_rate(n: int = 2048, reps: int = 5) -> float:
-    """Dense float32 matmul FLOP/s at the current thread count (median of `reps`)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
 
 
 def build() -> tuple[ModuleTask, Population]:
@@ -66,16 +58,12 @@ def build() -> tuple[ModuleTask, Population]:
     return task, Population(store, list(idx), seed=0)
 
 
-def run(threads: int, vectorised: bool, chunk: int | None) -> None:
+def run(threads: int, vectorised: bool, chunk: int | None, lowrank: bool | None) -> None:
     torch.set_num_threads(threads)
     task, pop = build()
-    with FlopCounterMode(display=False) as fc:
-        task.loss(task.init_params(), pop.gather(np.arange(BATCH)))
-    fwd_per_example = fc.get_total_flops() / BATCH
-    round_flops = 3 * fwd_per_example * COHORT * PER_CLIENT
+    fwd = forward_flops(lambda: task.loss(task.init_params(), pop.gather(np.arange(BATCH))))
+    flops = train_flops(fwd / BATCH, COHORT * PER_CLIENT)
     rate = matmul_rate()
-    floor = round_flops / rate
-
     stamps, losses = [time.perf_counter()], []
 
     def on_record(r: dict) -> None:
@@ -83,25 +71,26 @@ def run(threads: int, vectorised: bool, chunk: int | None) -> None:
             stamps.append(time.perf_counter())
             losses.append(r["loss"])
 
+    client = ClientConfig(
+        epochs=1,
+        batch_size=BATCH,
+        lr=LR,
+        vectorised=vectorised,
+        chunk_size=chunk,
+        lowrank=lowrank,
+    )
     sim = Simulator(
         task,
         pop,
         FedAvg(ServerSGD(1.0)),
-        ClientConfig(epochs=1, batch_size=BATCH, lr=LR, vectorised=vectorised, chunk_size=chunk),
+        client,
         SimulatorConfig(concurrency=COHORT, delay=DelayModel("constant"), seed=0),
         callback=on_record,
     )
     sim.run(max_server_steps=ROUNDS)
-    per_round = np.diff(stamps)
-    med = statistics.median(per_round[1:6])
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    mode = f"vectorised chunk={chunk or 'auto'}" if vectorised else "loop"
-    print(
-        f"threads={threads} {mode}: {med:.4f} s/round (rounds 2-6 median), "
-        f"floor {floor:.4f} s ({round_flops / 1e9:.2f} GFLOP at {rate / 1e9:.1f} GFLOP/s), "
-        f"ratio {med / floor:.2f}x, peak RSS {rss_mb:.0f} MB, "
-        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} ({'down' if losses[-1] < losses[0] else 'NOT down'})"
-    )
+    path = {None: "auto", True: "on", False: "off"}[lowrank]
+    mode = f"vectorised chunk={chunk or 'auto'} lowrank={path}" if vectorised else "loop"
+    report(f"W2 threads={threads} {mode}", median_rounds(stamps), flops, rate, losses)
 
 
 def main() -> None:
@@ -109,12 +98,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--loop", action="store_true", help="reference per-client loop")
     ap.add_argument("--chunk", type=int, default=None, help="clients per vectorised call")
+    ap.add_argument("--lowrank", choices=("auto", "on", "off"), default="auto")
+    ap.add_argument(
+        "--keep-memory", action="store_true", help="malloc keeps freed pages (floor.py)"
+    )
     args = ap.parse_args()
     if args.threads is not None:
-        run(args.threads, not args.loop, args.chunk)
+        if args.keep_memory:
+            kept = keep_freed_memory()
+            print(f"malloc keeps freed memory: {kept} (--keep-memory)", flush=True)
+        lowrank = {"auto": None, "on": True, "off": False}[args.lowrank]
+        run(args.threads, not args.loop, args.chunk, lowrank)
         return
     for threads in (1, 2):
-        subprocess.run([sys.executable, __file__, "--threads", str(threads)], check=True)
+        cmd = [sys.executable, __file__, "--threads", str(threads), "--lowrank", args.lowrank]
+        if args.keep_memory:
+            cmd.append("--keep-memory")
+        if args.loop:
+            cmd.append("--loop")
+        if args.chunk:
+            cmd += ["--chunk", str(args.chunk)]
+        subprocess.run(cmd, check=True)
 
 
 if __name__ == "__main__":

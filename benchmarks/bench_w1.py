@@ -1,0 +1,139 @@
+"""Benchmark W1 "xvector-small" (benchmarks.md) through fedvox's federated engine.
+
+The compute-bound workload: 1000 clients x 32 utterances (200 frames x 30), 50 clients/round,
+1 epoch, batch 16, SGD 0.05, FedAvg by examples. Prints s/round against the FLOP floor.
+
+Model: build_extractor("xvector-small", 30, norm="layer", embedding_layer="a") then
+LinearHead(256, 500) on `head_input`, cross-entropy: W1's layer shapes and FLOPs, but
+ChannelLayerNorm replaces BatchNorm, because vmap over clients cannot carry BN's running
+statistics (docs/federated.md). Each thread count runs in its own process. A client of this
+size (5 MB of parameters) is trained one at a time (client.py SOLO_BYTES): vmap over clients
+turns the convolutions into grouped ones and ran 30-40% slower (--chunk 3 shows it).
+
+    .venv/bin/python benchmarks/bench_w1.py            # threads 1 and 2
+    .venv/bin/python benchmarks/bench_w1.py --threads 1 [--loop] [--chunk 3] [--cohort 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import forward_flops, keep_freed_memory, matmul_rate, median_rounds, report, train_flops
+
+from fedvox.fl import (
+    ClientConfig,
+    DelayModel,
+    FedAvg,
+    ModuleTask,
+    Population,
+    ServerSGD,
+    Simulator,
+    SimulatorConfig,
+)
+from fedvox.fl.client import _auto_chunk
+from fedvox.models import build_extractor
+from fedvox.models.heads import LinearHead
+
+CLIENTS, PER_CLIENT, COHORT, BATCH, LR = 1000, 32, 50, 16, 0.05
+FRAMES, FEAT, SPEAKERS, ROUNDS = 200, 30, 500, 6
+
+
+class W1Net(nn.Module):
+    """x-vector (embedding at segment a) -> ReLU/LN -> segment b -> ReLU/LN -> Linear 500."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extractor = build_extractor("xvector-small", FEAT, norm="layer", embedding_layer="a")
+        self.head = LinearHead(256, SPEAKERS)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.extractor.head_input(x))
+
+
+def build() -> tuple[ModuleTask, Population]:
+    """Synthetic W1 data: x = 0.5·μ[speaker] + N(0,1) per frame; 2 speakers per client."""
+    rng = np.random.default_rng(0)
+    mu = rng.normal(size=(SPEAKERS, FEAT)).astype(np.float32)
+    n = CLIENTS * PER_CLIENT
+    pairs = rng.integers(SPEAKERS, size=(CLIENTS, 2))
+    y = pairs[np.repeat(np.arange(CLIENTS), PER_CLIENT), rng.integers(2, size=n)]
+    x = torch.from_numpy(rng.standard_normal((n, FRAMES, FEAT), dtype=np.float32))
+    x += 0.5 * torch.from_numpy(mu[y]).unsqueeze(1)
+    store = {"x": x, "y": torch.from_numpy(y)}
+    torch.manual_seed(0)
+    task = ModuleTask(W1Net(), lambda out, b: F.cross_entropy(out, b["y"], reduction="none"))
+    return task, Population(store, list(np.arange(n).reshape(CLIENTS, PER_CLIENT)), seed=0)
+
+
+def run(threads: int, vectorised: bool, chunk: int | None, cohort: int) -> None:
+    torch.set_num_threads(threads)
+    task, pop = build()
+    flops = train_flops(
+        forward_flops(lambda: task.loss(task.init_params(), pop.gather(np.arange(BATCH)))) / BATCH,
+        cohort * PER_CLIENT,
+    )
+    rate = matmul_rate()
+    stamps, losses = [time.perf_counter()], []
+
+    def on_record(r: dict) -> None:
+        if r["kind"] == "server_step":
+            stamps.append(time.perf_counter())
+            losses.append(r["loss"])
+
+    sim = Simulator(
+        task,
+        pop,
+        FedAvg(ServerSGD(1.0)),
+        ClientConfig(epochs=1, batch_size=BATCH, lr=LR, vectorised=vectorised, chunk_size=chunk),
+        SimulatorConfig(concurrency=cohort, delay=DelayModel("constant"), seed=0),
+        callback=on_record,
+    )
+    sim.run(max_server_steps=ROUNDS)
+    auto = _auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
+    mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
+    report(
+        f"W1 threads={threads} cohort={cohort} {mode}", median_rounds(stamps), flops, rate, losses
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--loop", action="store_true", help="reference per-client loop")
+    ap.add_argument("--chunk", type=int, default=None, help="clients per vectorised call")
+    ap.add_argument(
+        "--cohort", type=int, default=COHORT, help="clients per round (smaller: a quick check)"
+    )
+    ap.add_argument(
+        "--keep-memory", action="store_true", help="malloc keeps freed pages (floor.py)"
+    )
+    args = ap.parse_args()
+    if args.threads is not None:
+        if args.keep_memory:
+            kept = keep_freed_memory()
+            print(f"malloc keeps freed memory: {kept} (--keep-memory)", flush=True)
+        run(args.threads, not args.loop, args.chunk, args.cohort)
+        return
+    for threads in (1, 2):
+        cmd = [sys.executable, __file__, "--threads", str(threads), "--cohort", str(args.cohort)]
+        if args.keep_memory:
+            cmd.append("--keep-memory")
+        if args.loop:
+            cmd.append("--loop")
+        if args.chunk:
+            cmd += ["--chunk", str(args.chunk)]
+        subprocess.run(cmd, check=True)
+
+
+if __name__ == "__main__":
+    main()
