@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from torch import nn
 
 from fedvox.atomic import atomic_write_text
 from fedvox.data.audio import read_audio
@@ -18,6 +19,7 @@ from fedvox.data.features import extract_features
 from fedvox.errors import DataError, FedvoxError
 from fedvox.eval.extract import embed_utterances
 from fedvox.eval.scoring import length_normalize
+from fedvox.experiment.config import ExperimentConfig
 from fedvox.experiment.evaluate import Backend
 from fedvox.experiment.prepare import feature_config
 from fedvox.experiment.runfolder import RunFolder
@@ -26,9 +28,8 @@ from fedvox.experiment.runner import load_model, weights_hash
 PROFILE_VERSION = 1
 
 
-def embed_wavs(run: RunFolder, wavs: list[Path]) -> np.ndarray:
+def embed_wavs(extractor: nn.Module, cfg: ExperimentConfig, wavs: list[Path]) -> np.ndarray:
     """Embeddings [n, dim] of wav files through a run's front end and extractor."""
-    extractor, cfg = load_model(run)
     fcfg = feature_config(cfg.features)
     feats = [extract_features(read_audio(Path(w), fcfg.fbank.sample_rate), fcfg) for w in wavs]
     for w, f in zip(wavs, feats, strict=True):
@@ -88,10 +89,10 @@ def enroll(run_path: Path, wavs: list[Path], speaker: str) -> Profile:
     if not wavs:
         raise FedvoxError("enroll needs at least one wav file. Fix: pass enrollment recordings")
     run = RunFolder.open(run_path)
+    extractor, cfg = load_model(run)
     backend = Backend.load(run.path / "backend")
-    emb = length_normalize(embed_wavs(run, wavs) - backend.mean)
+    emb = length_normalize(embed_wavs(extractor, cfg, wavs) - backend.mean)
     vector = length_normalize(emb.mean(axis=0, keepdims=True))[0]
-    extractor, _ = load_model(run)
     return Profile(speaker, vector, len(wavs), str(run.path.resolve()), weights_hash(extractor))
 
 
@@ -107,7 +108,7 @@ def verify(
 ) -> Decision:
     """Score a wav against a profile; accept iff score >= the run's calibrated threshold."""
     run = RunFolder.open(run_path or profile.run)
-    extractor, _ = load_model(run)
+    extractor, cfg = load_model(run)
     if weights_hash(extractor) != profile.weights_sha256:
         raise FedvoxError(
             f"profile '{profile.speaker}' was enrolled with another model than {run.path}. "
@@ -116,6 +117,6 @@ def verify(
     backend = Backend.load(run.path / "backend")
     if threshold is None:
         threshold = float(json.loads((run.path / "calibration.json").read_text())["threshold"])
-    e = length_normalize(embed_wavs(run, [wav]) - backend.mean)[0]
+    e = length_normalize(embed_wavs(extractor, cfg, [wav]) - backend.mean)[0]
     score = float(e @ profile.vector)
     return Decision(score, threshold, score >= threshold)
