@@ -309,19 +309,27 @@ def verify(
 @app.command()
 def export(
     run: Annotated[Path, typer.Argument(help="Trained run folder.")],
-    out_path: Annotated[Path, typer.Option("--out", help="TorchScript file to write.")] = Path(
-        "extractor.ts.pt"
-    ),
+    out_path: Annotated[Path, typer.Option("--out", help="File to write.")] = Path("extractor.pt"),
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format", help="torchscript (torch.jit.load) or onnx (dynamic batch and frame axes)."
+        ),
+    ] = "torchscript",
 ) -> None:
-    """Export the extractor to TorchScript (input: features, batch x frames x bins).
+    """Export the extractor (input: features, batch x frames x bins) for use without fedvox.
 
     Features must be computed as the run's config says (fbank, sliding CMN, VAD); the
-    exported module maps them to embeddings and loads with torch.jit.load, no fedvox needed.
+    exported model maps them to embeddings. The export is checked against the eager model.
     """
-    from fedvox.experiment.export import export_torchscript
+    from fedvox.experiment.export import export_onnx, export_torchscript
 
-    path, n = export_torchscript(run, out_path)
-    out.print(f"exported TorchScript extractor → {path} (max |diff| vs eager {n:.2e})")
+    if fmt not in ("torchscript", "onnx"):
+        raise FedvoxError(
+            f"unknown export format '{fmt}'. Fix: use --format torchscript or --format onnx"
+        )
+    path, diff = (export_onnx if fmt == "onnx" else export_torchscript)(run, out_path)
+    out.print(f"exported {fmt} extractor → {path} (max |diff| vs eager {diff:.2e})")
 
 
 @app.command()

@@ -19,6 +19,7 @@ import torch
 from typer.testing import CliRunner
 
 from fedvox.cli import app
+from fedvox.errors import FedvoxError
 from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
 
 runner = CliRunner()
@@ -191,11 +192,22 @@ def test_enroll_verify_round_trip(trained: Path, tmp_path: Path) -> None:
     assert reject.exit_code == 1 and "REJECT" in reject.output, reject.output
 
 
-def test_export_torchscript_matches_eager(trained: Path, tmp_path: Path) -> None:
+def test_export_torchscript_and_onnx_match_eager(trained: Path, tmp_path: Path) -> None:
     res = invoke("export", trained, "--out", tmp_path / "x.pt")
     assert res.exit_code == 0, res.output
     m = torch.jit.load(str(tmp_path / "x.pt"))
     assert m(torch.randn(1, 123, 30)).shape[0] == 1
+    res = invoke("export", trained, "--out", tmp_path / "x.onnx", "--format", "onnx")
+    assert res.exit_code == 0, res.output
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    x = torch.randn(2, 151, 30)
+    (got,) = ReferenceEvaluator(onnx.load(str(tmp_path / "x.onnx"))).run(None, {"feats": x.numpy()})
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(got), m(x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(FedvoxError, match="unknown export format"):
+        invoke("export", trained, "--format", "tflite")
 
 
 def test_bad_config_is_refused_with_the_field_named(tmp_path: Path) -> None:

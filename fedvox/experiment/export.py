@@ -1,11 +1,12 @@
-"""Export of a trained extractor for deployment without fedvox (TorchScript).
+"""Export of a trained extractor for deployment without fedvox (TorchScript or ONNX).
 
-The exported module maps features [batch, frames, bins] to embeddings; it is checked
-against the eager model on an input of a length it was not traced with.
+The exported model maps features [batch, frames, bins] to embeddings; each export is
+checked against the eager model on an input of a length it was not traced with.
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
@@ -34,4 +35,40 @@ def export_torchscript(run_path: Path, out: Path) -> tuple[Path, float]:
     x = torch.randn(2, 237, feat_dim)
     with torch.no_grad():
         diff = float((loaded(x) - extractor(x)).abs().max())
+    return out, diff
+
+
+def export_onnx(run_path: Path, out: Path) -> tuple[Path, float]:
+    """ONNX with dynamic batch and frame axes, checked with onnx's checker and reference
+    evaluator against eager; returns (path, max abs difference).
+
+    Uses torch's TorchScript-based exporter (dynamo=False): the default dynamo exporter
+    needs onnxscript, which fedvox does not depend on.
+    """
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    run = RunFolder.open(run_path)
+    extractor, _ = load_model(run)
+    feat_dim = int(
+        torch.load(run.path / MODEL_FILE, map_location="cpu", weights_only=False)["feat_dim"]
+    )
+    buf = io.BytesIO()
+    torch.onnx.export(
+        extractor,
+        (torch.randn(1, 300, feat_dim),),
+        buf,
+        dynamo=False,
+        input_names=["feats"],
+        output_names=["embedding"],
+        dynamic_axes={"feats": {0: "batch", 1: "frames"}, "embedding": {0: "batch"}},
+    )
+    data = buf.getvalue()
+    proto = onnx.load_from_string(data)
+    onnx.checker.check_model(proto)
+    atomic_write(out, lambda f: f.write(data))
+    x = torch.randn(2, 237, feat_dim)
+    (got,) = ReferenceEvaluator(proto).run(None, {"feats": x.numpy()})
+    with torch.no_grad():
+        diff = float((torch.from_numpy(got) - extractor(x)).abs().max())
     return out, diff
