@@ -19,8 +19,8 @@ import torch
 from typer.testing import CliRunner
 
 from fedvox.cli import app
-from fedvox.errors import FedvoxError
 from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
+from fedvox.errors import FedvoxError
 
 runner = CliRunner()
 
