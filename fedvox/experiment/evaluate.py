@@ -18,7 +18,8 @@ from fedvox.eval.extract import embed_utterances, stats_embeddings
 from fedvox.eval.metrics import VerificationMetrics, compute_eer, evaluate_scores
 from fedvox.eval.plda import PLDABackend
 from fedvox.eval.scoring import cohort_from_training, score_trials
-from fedvox.experiment.config import EvalSection
+from fedvox.experiment.config import EvalSection, ExperimentConfig
+from fedvox.experiment.prepare import PreparedData
 from fedvox.progress import task_progress
 
 
@@ -183,3 +184,20 @@ def eer_threshold(result: EvalResult, backend: str = "cosine") -> float:
     """The score threshold at the EER point of a back end (the default verify threshold)."""
     s, y = result.scores[backend], result.labels
     return float(compute_eer(s[y], s[~y])[1])
+
+
+def quick_eval(extractor: nn.Module, cfg: ExperimentConfig, data: PreparedData) -> dict:
+    """Held-out cosine metrics with at most 500 training utterances for the mean: cheap
+    enough to run during training (centralised and federated alike)."""
+    section = cfg.eval.model_copy(update={"max_train_utts": min(500, cfg.eval.max_train_utts)})
+    res, _ = evaluate_extractor(
+        extractor,
+        data.train_feats,
+        data.train_corpus.speaker_of,
+        data.test_feats,
+        data.trials,
+        section,
+        backends=("cosine",),
+        progress=False,
+    )
+    return res.metrics["cosine"].to_dict()

@@ -19,7 +19,7 @@ from torch.func import functional_call
 from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
-from fedvox.experiment.evaluate import evaluate_extractor
+from fedvox.experiment.evaluate import quick_eval
 from fedvox.experiment.prepare import PreparedData
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import (
@@ -207,22 +207,6 @@ def _server_record(r: dict) -> dict:
     return out
 
 
-def quick_eval(task: SpeakerTask, cfg: ExperimentConfig, data: PreparedData) -> dict:
-    """Held-out cosine EER/minDCF of the current global extractor."""
-    section = cfg.eval.model_copy(update={"max_train_utts": min(500, cfg.eval.max_train_utts)})
-    res, _ = evaluate_extractor(
-        task.extractor,
-        data.train_feats,
-        data.train_corpus.speaker_of,
-        data.test_feats,
-        data.trials,
-        section,
-        backends=("cosine",),
-        progress=False,
-    )
-    return res.metrics["cosine"].to_dict()
-
-
 def run_federated(
     run: RunFolder, cfg: ExperimentConfig, data: PreparedData, resume: bool, progress: bool
 ) -> SpeakerTask:
@@ -268,7 +252,7 @@ def run_federated(
             setup.records.clear()
             if sim.server_step % f.eval_every == 0 or sim.server_step == f.server_steps:
                 task.load_params(sim.params)
-                m = quick_eval(task, cfg, data)
+                m = quick_eval(task.extractor, cfg, data)
                 metrics.append(
                     {
                         "kind": "eval",

@@ -23,6 +23,7 @@ from fedvox.experiment.evaluate import (
     eer_threshold,
     evaluate_baseline,
     evaluate_extractor,
+    quick_eval,
 )
 from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
@@ -97,22 +98,6 @@ class RunOutcome:
     seconds: float
 
 
-def _quick_eval(state: TrainState, data: PreparedData, cfg: ExperimentConfig) -> dict:
-    """Cosine metrics with a small training subset for the mean: cheap enough mid-training."""
-    section = cfg.eval.model_copy(update={"max_train_utts": min(500, cfg.eval.max_train_utts)})
-    res, _ = evaluate_extractor(
-        state.extractor,
-        data.train_feats,
-        data.train_corpus.speaker_of,
-        data.test_feats,
-        data.trials,
-        section,
-        backends=("cosine",),
-        progress=False,
-    )
-    return res.metrics["cosine"].to_dict()
-
-
 def _train_and_finish(
     run: RunFolder, cfg: ExperimentConfig, data: PreparedData, state: TrainState, progress: bool
 ) -> RunOutcome:
@@ -123,15 +108,27 @@ def _train_and_finish(
         if st.step % 10 == 0 or st.step == cfg.train.steps:
             run.log_metrics({"kind": "train", **rec})
         if st.step in points:
-            m = _quick_eval(st, data, cfg)
+            m = quick_eval(st.extractor, cfg, data)
             run.log_metrics({"kind": "eval", "step": st.step, "loss": rec["loss"], **m})
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             run.save_checkpoint(st.step, st.to_checkpoint())
 
     train(state, cfg, on_step=on_step, progress=progress)
-    save_model(run, cfg, state.extractor, data.feat_dim)
+    return _evaluate_and_finish(run, cfg, data, state.extractor, t0, progress)
+
+
+def _evaluate_and_finish(
+    run: RunFolder,
+    cfg: ExperimentConfig,
+    data: PreparedData,
+    extractor: nn.Module,
+    t0: float,
+    progress: bool,
+) -> RunOutcome:
+    """Save the trained extractor, evaluate it with every back end and the baseline, report."""
+    save_model(run, cfg, extractor, data.feat_dim)
     result, backend = evaluate_extractor(
-        state.extractor,
+        extractor,
         data.train_feats,
         data.train_corpus.speaker_of,
         data.test_feats,
@@ -140,9 +137,7 @@ def _train_and_finish(
         progress=progress,
     )
     baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
-    return finish_run(
-        run, cfg, result, backend, baseline, time.perf_counter() - t0, state.extractor
-    )
+    return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
 
 
 def finish_run(
@@ -231,18 +226,7 @@ def _federated_and_finish(
 
     t0 = time.perf_counter()
     task = run_federated(run, cfg, data, resume=resume, progress=progress)
-    save_model(run, cfg, task.extractor, data.feat_dim)
-    result, backend = evaluate_extractor(
-        task.extractor,
-        data.train_feats,
-        data.train_corpus.speaker_of,
-        data.test_feats,
-        data.trials,
-        cfg.eval,
-        progress=progress,
-    )
-    baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
-    return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, task.extractor)
+    return _evaluate_and_finish(run, cfg, data, task.extractor, t0, progress)
 
 
 def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
