@@ -25,7 +25,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import (
     forward_flops,
-    keep_freed_memory,
+    keep_memory_if_asked,
     matmul_rate,
     median_rounds,
     peak_rss_mb,
@@ -116,9 +116,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.threads is not None:
-        if args.keep_memory:
-            kept = keep_freed_memory()
-            print(f"malloc keeps freed memory: {kept} (--keep-memory)", flush=True)
+        keep_memory_if_asked(args.keep_memory)
         run(args.threads, args.trips)
         return
     for threads in (1, 2):

@@ -9,26 +9,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from floor import matmul_rate
+
 from fedvox.models import AAMSoftmax, build_extractor, train_step
 
 BATCH, FRAMES, FEAT_DIM, SPEAKERS = 64, 200, 30, 200
-
-
-def matmul_rate(n: int = 2048, reps: int = 5) -> float:
-    """Dense float32 matmul FLOP/s at the current thread count (median of reps)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
 
 
 def median_ms(fn, steps: int, warmup: int) -> float:

@@ -25,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from floor import forward_flops, keep_freed_memory, matmul_rate, median_rounds, report, train_flops
+from floor import (
+    forward_flops,
+    keep_memory_if_asked,
+    matmul_rate,
+    median_rounds,
+    report,
+    train_flops,
+)
 
 from fedvox.fl import (
     ClientConfig,
@@ -104,9 +111,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.threads is not None:
-        if args.keep_memory:
-            kept = keep_freed_memory()
-            print(f"malloc keeps freed memory: {kept} (--keep-memory)", flush=True)
+        keep_memory_if_asked(args.keep_memory)
         lowrank = {"auto": None, "on": True, "off": False}[args.lowrank]
         run(args.threads, not args.loop, args.chunk, lowrank)
         return

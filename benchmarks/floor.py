@@ -98,3 +98,9 @@ def report(
         line += f", {extra}"
     print(line, flush=True)
     return line
+
+
+def keep_memory_if_asked(enabled: bool) -> None:
+    """The benchmarks' --keep-memory flag: apply keep_freed_memory() and say so."""
+    if enabled:
+        print(f"malloc keeps freed memory: {keep_freed_memory()} (--keep-memory)", flush=True)
