@@ -42,16 +42,55 @@ def weighted_sum(deltas: Params, weights: Tensor) -> Params:
 
 
 class SumStage(Protocol):
-    """A stage applied to stacked client deltas before they are summed (clip, quantise, ...)."""
+    """A per-client stage applied to stacked deltas before they are summed (clip, quantise).
+
+    May also define `end_step(count)` (called once per server step, after the sum, e.g. for
+    adaptive clipping) and `state_dict()` / `load_state_dict()` (saved with the simulator).
+    """
 
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, Tensor]: ...
 
 
-class Aggregator:
-    """Accumulates Σ w_i Δ_i, Σ w_i and a count; `stages` transform each batch on the way in."""
+class Summer(Protocol):
+    """Turns stacked deltas and weights into (Σ w_i Δ_i, Σ w_i, number of inputs summed).
 
-    def __init__(self, stages: Sequence[SumStage] = ()) -> None:
+    The plain summer is `weighted_sum`; secure aggregation replaces it with a protocol whose
+    server only ever sees masked inputs. Fewer inputs than given may survive (dropouts).
+    """
+
+    def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, float, int]: ...
+
+
+class NoiseStage(Protocol):
+    """A stage on the aggregated sum, before the server optimiser (DP noise, DP-FTRL tree)."""
+
+    def __call__(self, total: Params, weight: float, count: int) -> tuple[Params, float]: ...
+
+
+def plain_sum(deltas: Params, weights: Tensor) -> tuple[Params, float, int]:
+    """The default Summer: the server sees every weighted delta (no secure aggregation)."""
+    return weighted_sum(deltas, weights), float(weights.sum()), int(weights.shape[0])
+
+
+class Aggregator:
+    """The aggregation pipeline: per-client stages → sum → noise stages → (Σ, Σw, count).
+
+    `names` fixes the parameters it accepts: a delta with any other key (e.g. a parameter
+    kept local on the device, Federated Reconstruction) is refused, so a local parameter
+    structurally cannot reach the server's sum.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[SumStage] = (),
+        names: Sequence[str] | None = None,
+        summer: Summer | None = None,
+        noise: Sequence[NoiseStage] = (),
+    ) -> None:
         self.stages = list(stages)
+        self.names = None if names is None else frozenset(names)
+        self.summer: Summer = summer if summer is not None else plain_sum
+        self.noise = list(noise)
         self.reset()
 
     def reset(self) -> None:
@@ -61,30 +100,49 @@ class Aggregator:
 
     def accumulate(self, deltas: Params, weights: Tensor) -> None:
         """Add a batch of client deltas (stacked, leading axis = client) with their weights."""
+        if self.names is not None and set(deltas) != self.names:
+            extra = sorted(set(deltas) - self.names)
+            missing = sorted(self.names - set(deltas))
+            raise ValueError(
+                f"aggregator refuses this update: unexpected parameters {extra}, "
+                f"missing {missing} (only global parameters may be aggregated)"
+            )
         for stage in self.stages:
             deltas, weights = stage(deltas, weights)
-        part = weighted_sum(deltas, weights)
+        part, weight, count = self.summer(deltas, weights)
         if self.total is None:
             self.total = part
         else:
             self.total = {n: self.total[n] + part[n] for n in part}
-        self.weight += float(weights.sum())
-        self.count += int(weights.shape[0])
+        self.weight += weight
+        self.count += count
 
     def result(self) -> tuple[Params, float, int]:
-        """(Σ w_i Δ_i, Σ w_i, number of updates) and reset for the next server step."""
+        """(Σ w_i Δ_i + noise, Σ w_i, number of updates); resets for the next server step."""
         if self.total is None:
             raise RuntimeError("aggregator is empty")
-        out = (self.total, self.weight, self.count)
+        total, weight, count = self.total, self.weight, self.count
+        for stage in self.noise:
+            total, weight = stage(total, weight, count)
+        for stage in [*self.stages, self.summer, *self.noise]:
+            end = getattr(stage, "end_step", None)
+            if end is not None:
+                end(count)
         self.reset()
-        return out
+        return total, weight, count
+
+    def _stateful(self) -> list[Any]:
+        return [s for s in [*self.stages, self.summer, *self.noise] if hasattr(s, "state_dict")]
 
     def state_dict(self) -> dict[str, Any]:
         total = None if self.total is None else {n: t.clone() for n, t in self.total.items()}
-        return {"total": total, "weight": self.weight, "count": self.count}
+        stages = [s.state_dict() for s in self._stateful()]
+        return {"total": total, "weight": self.weight, "count": self.count, "stages": stages}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         total = state["total"]
         self.total = None if total is None else {n: t.clone() for n, t in total.items()}
         self.weight = float(state["weight"])
         self.count = int(state["count"])
+        for stage, st in zip(self._stateful(), state.get("stages", []), strict=False):
+            stage.load_state_dict(st)

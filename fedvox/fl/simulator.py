@@ -17,9 +17,9 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-from fedvox.fl.aggregation import Aggregator, SumStage
+from fedvox.fl.aggregation import Aggregator, NoiseStage, Summer, SumStage
 from fedvox.fl.algorithms.base import Algorithm
-from fedvox.fl.client import ClientConfig, Task, train_clients
+from fedvox.fl.client import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
 from fedvox.fl.population import (
     PURPOSE_DELAY,
@@ -31,6 +31,22 @@ from fedvox.fl.population import (
 
 Params = dict[str, Tensor]
 Record = dict[str, Any]
+# (task, population, jobs [(client, trip)], starting params per job, client config) -> results
+ClientUpdate = Callable[
+    [Task, Population, list[tuple[int, int]], list[Params], ClientConfig], ClientResults
+]
+
+
+def plain_client_update(
+    task: Task,
+    population: Population,
+    jobs: list[tuple[int, int]],
+    starts: list[Params],
+    cfg: ClientConfig,
+) -> ClientResults:
+    """The default client update: local SGD on every parameter the server sends."""
+    return train_clients(task.loss, population, jobs, starts, cfg)
+
 
 # Rejection-sampling tries before an async selection falls back to scanning every client.
 _SELECT_TRIES = 64
@@ -69,6 +85,9 @@ class Simulator:
         config: SimulatorConfig,
         callback: Callable[[Record], None] | None = None,
         stages: list[SumStage] | None = None,
+        client_update: ClientUpdate | None = None,
+        summer: Summer | None = None,
+        noise: list[NoiseStage] | None = None,
     ) -> None:
         _validate(population, algorithm, config)
         self.task = task
@@ -77,9 +96,12 @@ class Simulator:
         self.client = client
         self.config = config
         self.callback = callback
-        self.aggregator = Aggregator(stages or [])
+        self.client_update = client_update or plain_client_update
+        # The server holds only global parameters: a task with local (on-device) parameters
+        # returns just the global ones from init_params, and the aggregator accepts no others.
         params = {n: t.detach().clone() for n, t in task.init_params().items()}
-        self.global_names: list[str] = list(getattr(task, "global_names", None) or params)
+        self.global_names: list[str] = list(params)
+        self.aggregator = Aggregator(stages or [], self.global_names, summer, noise or [])
         self.bytes_per_trip = 4 * sum(params[n].numel() for n in self.global_names)
         self.examples = population.examples()
         self.mean_examples = float(self.examples.mean())
@@ -315,7 +337,7 @@ class Simulator:
         items, self.pending = self.pending, []
         jobs = [(it["client"], it["trip"]) for it in items]
         starts = [self.versions[it["version"]] for it in items]
-        results = train_clients(self.task.loss, self.population, jobs, starts, self.client)
+        results = self.client_update(self.task, self.population, jobs, starts, self.client)
         staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
         weights = self.algorithm.client_weights(results.num_examples, staleness)
         self.aggregator.accumulate(results.delta, weights)
