@@ -29,22 +29,26 @@ class ChannelLayerNorm(nn.Module):
     a batch of 256, and it has no running statistics for torch.func.vmap to trip over.
     """
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, time_major: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(channels)
+        self.time_major = time_major  # input [B, T, C]: channels are already the last axis
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() == 3:
+        if x.dim() == 3 and not self.time_major:
             return self.norm(x.transpose(1, 2)).transpose(1, 2)
         return self.norm(x)
 
 
-def make_norm(norm: str, channels: int) -> nn.Module:
-    """The normalisation layer for `norm` in NORMS, over `channels` ([B, C, T] or [B, C])."""
+def make_norm(norm: str, channels: int, time_major: bool = False) -> nn.Module:
+    """The normalisation layer for `norm` in NORMS, over `channels` ([B, C, T] or [B, C];
+    [B, T, C] when `time_major`, which BatchNorm1d does not support)."""
     if norm == "batch":
+        if time_major:
+            raise ValueError("BatchNorm1d layers are channel-major")
         return nn.BatchNorm1d(channels)
     if norm == "layer":
-        return ChannelLayerNorm(channels)
+        return ChannelLayerNorm(channels, time_major)
     if norm == "none":
         return nn.Identity()
     raise ConfigError("model.norm", f"unknown norm '{norm}'", "use one of: " + ", ".join(NORMS))
@@ -75,16 +79,67 @@ def weighted_mean_std(
     return mean, var.clamp(min=floor).sqrt()
 
 
-class TdnnLayer(nn.Module):
-    """One frame-level TDNN layer: dilated Conv1d (the context) -> ReLU -> norm."""
+def time_mean_std(
+    x: Tensor, lengths: Tensor | None, floor: float = VARIANCE_FLOOR
+) -> tuple[Tensor, Tensor]:
+    """Mean and standard deviation over time of time-major x [B, T, C] (valid frames only
+    when `lengths` [B] is given); centred variance floored at `floor`, as weighted_mean_std.
 
-    def __init__(self, in_dim: int, out_dim: int, kernel: int, dilation: int, norm: str) -> None:
+    Spelled out rather than torch.var_mean: over a non-inner dimension var_mean's kernel took
+    about 35 ms per call on W1's shapes, five times this form (forward plus backward).
+    """
+    if lengths is None:
+        mean = x.mean(dim=1)
+        centred = x - mean.unsqueeze(1)
+        var = (centred * centred).mean(dim=1)
+    else:
+        w = frame_mask(lengths, x.shape[1], x.dtype).transpose(1, 2)  # [B, T, 1]
+        w = w / w.sum(dim=1, keepdim=True)
+        mean = (x * w).sum(dim=1)
+        centred = x - mean.unsqueeze(1)
+        var = (centred * centred * w).sum(dim=1)
+    return mean, var.clamp(min=floor).sqrt()
+
+
+class TdnnLayer(nn.Module):
+    """One frame-level TDNN layer: dilated Conv1d (the context) -> ReLU -> norm.
+
+    Channel-major [B, C, T] through Conv1d (needed by BatchNorm), or, with `time_major`, the
+    same function on [B, T, C] as Kaldi's splicing computes it: the k dilated frames
+    concatenated, then one matmul with the conv weight laid out as [out, k·in].
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        kernel: int,
+        dilation: int,
+        norm: str,
+        time_major: bool = False,
+    ) -> None:
         super().__init__()
         self.conv = nn.Conv1d(in_dim, out_dim, kernel_size=kernel, dilation=dilation)
-        self.norm = make_norm(norm, out_dim)
+        self.norm = make_norm(norm, out_dim, time_major)
+        self.kernel = kernel
+        self.dilation = dilation
+        self.time_major = time_major
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.norm(F.relu(self.conv(x)))
+        if not self.time_major:
+            return self.norm(F.relu(self.conv(x)))
+        w = self.conv.weight  # [out, in, k]
+        if self.kernel == 1:
+            y = F.linear(x, w[:, :, 0], self.conv.bias)
+        else:
+            frames = x.shape[1] - (self.kernel - 1) * self.dilation
+            spliced = torch.cat(
+                [x[:, j * self.dilation : j * self.dilation + frames] for j in range(self.kernel)],
+                dim=2,
+            )
+            weight = w.permute(0, 2, 1).reshape(w.shape[0], -1)
+            y = F.linear(spliced, weight, self.conv.bias)
+        return self.norm(F.relu(y))
 
 
 class XVector(nn.Module):
@@ -138,13 +193,17 @@ class XVector(nn.Module):
         self.embedding_layer = embedding_layer
         self.norm_kind = norm
         self._embed_at_a = embedding_layer == "a"
+        # LayerNorm / no norm run time-major (spliced matmuls, norm over the inner axis): no
+        # strided transposes around every norm, about 1.3-1.5x faster on W1's shapes. BatchNorm
+        # keeps Conv1d's channel-major layout, so Kaldi-faithful models compute as before.
+        self._time_major = norm != "batch"
         # Frames consumed by the unpadded frame layers: sum of (kernel - 1) * dilation.
         self.context = sum((k - 1) * d for k, d in zip(self.KERNELS, self.DILATIONS, strict=True))
 
         layers = []
         in_dim = feat_dim
         for width, kernel, dilation in zip(widths, self.KERNELS, self.DILATIONS, strict=True):
-            layers.append(TdnnLayer(in_dim, width, kernel, dilation, norm))
+            layers.append(TdnnLayer(in_dim, width, kernel, dilation, norm, self._time_major))
             in_dim = width
         self.frame_layers = nn.Sequential(*layers)
         self.segment_a = nn.Linear(2 * widths[-1], emb_dim)
@@ -176,6 +235,11 @@ class XVector(nn.Module):
     def _segment_a(self, feats: Tensor, lengths: Tensor | None) -> Tensor:
         if not (torch.jit.is_scripting() or torch.jit.is_tracing()):
             self._check(feats, lengths)
+        if self._time_major:
+            h = self.frame_layers(feats)
+            valid = None if lengths is None else lengths - self.context
+            mean, std = time_mean_std(h, valid)
+            return self.segment_a(torch.cat([mean, std], dim=1))
         x = self.frame_layers(feats.transpose(1, 2))
         weights: Tensor | None = None
         if lengths is not None:
