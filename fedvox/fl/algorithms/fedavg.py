@@ -54,5 +54,7 @@ class FedAvg(Algorithm):
         starts: Sequence[Params],
         staleness: Tensor,
     ) -> Params:
+        if weight == 0:  # every update was refused (e.g. non-finite FedRecon deltas)
+            return {n: t.clone() for n, t in params.items()}
         mean = {n: t / weight for n, t in total.items()}
         return self.server_opt.step(params, mean)

@@ -1,0 +1,863 @@
+"""Secure aggregation (Bonawitz et al. 2017) with SecAgg+ neighbourhoods (Bell et al. 2020).
+
+A `Summer` for the aggregation pipeline (fl/aggregation.py): clients send quantised, masked
+updates, and the server learns only Σ w_i Δ_i and Σ w_i of the survivors, even after dropouts.
+
+Rounds: AdvertiseKeys → ShareKeys → MaskedInputCollection → Unmasking. Parties exchange only
+the message dataclasses below (ints and bytes) through the server, so the same classes can run
+over a network. Threat model: honest-but-curious server and clients. The ConsistencyCheck round
+and signatures of the actively secure variant are not implemented; each client still refuses,
+on its own, to reveal both kinds of share for one peer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import os
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from torch import Tensor
+
+from fedvox.errors import ConfigError, FedvoxError
+from fedvox.privacy import shamir
+
+Params = dict[str, Tensor]
+
+# Purposes keep the public random streams of one call apart: (seed, purpose, call, client).
+PURPOSE_ROUNDING = 0x5A61
+PURPOSE_DROPOUT = 0x5A62
+PURPOSE_GRAPH = 0x5A63
+
+KEY_BYTES = 32
+SHARE_BYTES = shamir.share_size(KEY_BYTES)
+# Up to this many clients "auto" uses the full graph (plain Bonawitz): it is cheap there and
+# every client's secrets are spread over everyone.
+AUTO_FULL_GRAPH_MAX = 20
+# Stages a simulated client can stop after ("start": it never takes part).
+STAGES = ("start", "advertise_keys", "share_keys", "masked_input", "unmask")
+
+
+class SecAggAbort(FedvoxError):
+    """The protocol stopped cleanly: too few clients alive, or a party saw an invalid message."""
+
+
+class SecAggViolation(SecAggAbort):
+    """A client refused a request that would break privacy (e.g. both shares for one peer)."""
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class SecAggConfig:
+    """Parameters of secure aggregation, validated on construction (errors name the field).
+
+    threshold: a fraction of a share group (float in (0, 1], t = ⌈f·m⌉) or t itself (int).
+    clip, scale_bits: each Δ coordinate is clipped to [−clip, clip] and scaled by 2^scale_bits.
+    modulus_bits: the ring Z_{2^k} (k ≤ 32 runs in uint32, 32 < k ≤ 62 in uint64).
+    max_weight: public bound on a client weight; the ring must hold n·max_weight·clip·2^s.
+    neighbours: None = everyone (Bonawitz), int k = SecAgg+ with a k-regular Harary graph,
+        "auto" = everyone up to 20 clients, else k = 2⌈log2 n⌉.
+    dropout, dropout_after: simulated protocol-level dropouts (probability and stage).
+    """
+
+    threshold: float | int = 2 / 3
+    clip: float = 8.0
+    scale_bits: int = 22
+    modulus_bits: int = 32
+    max_weight: float = 1.0
+    neighbours: int | Literal["auto"] | None = None
+    dropout: float = 0.0
+    dropout_after: Literal["share_keys", "masked_input"] = "share_keys"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        t = self.threshold
+        if isinstance(t, bool) or not isinstance(t, int | float):
+            raise ConfigError("secagg.threshold", f"{t!r} is not a number", "use e.g. 2/3 or 5")
+        if isinstance(t, float) and not 0.0 < t <= 1.0:
+            raise ConfigError("secagg.threshold", f"fraction {t} outside (0, 1]", "use e.g. 2/3")
+        if isinstance(t, int) and t < 1:
+            raise ConfigError("secagg.threshold", f"t={t} < 1", "use t >= 1 (or a fraction)")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError("secagg.clip", f"{self.clip} is not a positive number", "use e.g. 8")
+        if not 0 <= self.scale_bits <= 52:
+            raise ConfigError("secagg.scale_bits", f"{self.scale_bits} outside 0..52", "use 22")
+        if not 8 <= self.modulus_bits <= 62:
+            raise ConfigError(
+                "secagg.modulus_bits", f"{self.modulus_bits} outside 8..62", "use 32 (or up to 62)"
+            )
+        if not (math.isfinite(self.max_weight) and self.max_weight > 0):
+            raise ConfigError("secagg.max_weight", f"{self.max_weight} is not positive", "use 1")
+        k = self.neighbours
+        if not (k is None or k == "auto" or (isinstance(k, int) and not isinstance(k, bool))):
+            raise ConfigError("secagg.neighbours", f"{k!r}", "use None (all), 'auto' or an int")
+        if isinstance(k, int) and k < 2:
+            raise ConfigError("secagg.neighbours", f"k={k} < 2", "use k >= 2 or None (all)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("secagg.dropout", f"{self.dropout} outside [0, 1)", "use e.g. 0.1")
+        if self.dropout_after not in ("share_keys", "masked_input"):
+            raise ConfigError(
+                "secagg.dropout_after", f"{self.dropout_after!r}", "use share_keys or masked_input"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError("secagg.seed", f"{self.seed!r} is not an int >= 0", "use e.g. 0")
+        self.check_capacity(2)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint32 if self.modulus_bits <= 32 else np.uint64)
+
+    def client_range(self) -> int:
+        """Largest |encoded coordinate| of one client (Δ and weight coordinates alike)."""
+        scale = 2.0**self.scale_bits
+        return math.ceil(self.max_weight * max(self.clip, 1.0) * scale)
+
+    def max_clients(self) -> int:
+        """How many clients' encodings can be summed without wrapping the signed ring."""
+        return (2 ** (self.modulus_bits - 1) - 1) // self.client_range()
+
+    def check_capacity(self, n: int) -> None:
+        """Refuse n clients whose sum could overflow the ring (it would decode to garbage)."""
+        if n > self.max_clients():
+            need = math.ceil(math.log2(n * self.client_range() + 1)) + 1
+            raise ConfigError(
+                "secagg.scale_bits",
+                f"{n} clients x range ±{self.client_range()} (max_weight·clip·2^scale_bits) can "
+                f"overflow the ring 2^{self.modulus_bits} (at most {self.max_clients()} clients fit)",
+                f"lower scale_bits (or clip, max_weight), or set modulus_bits >= {need} (<= 62)",
+            )
+
+    def neighbour_count(self, n: int) -> int | None:
+        """Neighbours per client for n clients; None when everyone shares with everyone."""
+        k = self.neighbours
+        if k == "auto":
+            k = None if n <= AUTO_FULL_GRAPH_MAX else 2 * math.ceil(math.log2(n))
+        if k is None:
+            return None
+        k += k % 2  # Harary graphs are built for even k
+        return None if k >= n - 1 else k
+
+    def group_threshold(self, group: int) -> int:
+        """t for a share group of `group` clients (the client and its neighbours)."""
+        if isinstance(self.threshold, int):
+            if self.threshold > group:
+                raise ConfigError(
+                    "secagg.threshold",
+                    f"t={self.threshold} exceeds the share group of {group} clients",
+                    "lower t or use a fraction",
+                )
+            return self.threshold
+        return max(1, math.ceil(self.threshold * group - 1e-9))
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def ring_mask(bits: int) -> int:
+    return (1 << bits) - 1
+
+
+def encode(
+    vector: np.ndarray, weight: float, config: SecAggConfig, rng: np.random.Generator
+) -> np.ndarray:
+    """Ring encoding of (w·clip(Δ, ±c), w) with stochastic rounding: one client's input.
+
+    The rounding noise comes from `rng` (public randomness, not a secret); E[decode] is exact.
+    """
+    if not 0.0 <= weight <= config.max_weight:
+        raise ConfigError(
+            "secagg.max_weight",
+            f"client weight {weight} outside [0, {config.max_weight}]",
+            "raise max_weight (and modulus_bits) or normalise the client weights",
+        )
+    v = np.empty(vector.size + 1, np.float64)
+    np.clip(vector.reshape(-1), -config.clip, config.clip, out=v[:-1])
+    v[:-1] *= weight
+    v[-1] = weight
+    v *= 2.0**config.scale_bits
+    v += rng.random(v.size)
+    np.floor(v, out=v)
+    ints = v.astype(np.int64)
+    ints &= ring_mask(config.modulus_bits)
+    return ints.astype(config.dtype)
+
+
+def decode(total: np.ndarray, config: SecAggConfig) -> tuple[np.ndarray, float]:
+    """(Σ w·Δ, Σ w) in float64 from the ring sum of encodings (signed representatives)."""
+    ints = total.astype(np.int64)
+    ints[ints >= 1 << (config.modulus_bits - 1)] -= 1 << config.modulus_bits
+    values = ints / 2.0**config.scale_bits
+    return values[:-1], float(values[-1])
+
+
+# --------------------------------------------------------------------------- crypto helpers
+
+
+class Entropy:
+    """Secret randomness of one party: the OS, or (simulation) a ChaCha20 stream from a key.
+
+    The keyed form makes a simulated run reproducible from its seed; a deployment uses None.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self._stream = None
+        if key is not None:
+            cipher = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None)
+            self._stream = cipher.encryptor()
+
+    def __call__(self, n: int) -> bytes:
+        if self._stream is None:
+            return os.urandom(n)
+        return self._stream.update(bytes(n))
+
+
+def hkdf(secret: bytes, info: bytes, length: int = KEY_BYTES) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(secret)
+
+
+class Keystream:
+    """The PRG: AES-256-CTR keystream under a one-use key, read as ring elements.
+
+    Buffers are reused across calls (allocating them dominated the cost); the returned
+    array is valid until the next call. A zero nonce is safe because each key is used once.
+    """
+
+    def __init__(self, dim: int, dtype: np.dtype) -> None:
+        self.dim = dim
+        self.dtype = np.dtype(dtype)
+        nbytes = dim * self.dtype.itemsize
+        self._zero = bytes(nbytes)
+        self._buf = bytearray(nbytes + 15)  # update_into wants block_size − 1 spare bytes
+        self._view = np.frombuffer(self._buf, dtype=self.dtype, count=dim)
+
+    def __call__(self, key: bytes) -> np.ndarray:
+        enc = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
+        enc.update_into(self._zero, self._buf)
+        return self._view
+
+
+def mask_key(private: X25519PrivateKey, peer_public: bytes, session: bytes) -> bytes:
+    """Pairwise mask seed s_uv = HKDF(X25519(c_u, c_v)); both ends derive the same key."""
+    shared = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    return hkdf(shared, b"fedvox/secagg/mask/" + session)
+
+
+def _pair(sender: int, receiver: int) -> bytes:
+    return struct.pack(">II", sender, receiver)
+
+
+# --------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class AdvertiseKeys:
+    """Round 0, client → server: public keys for mask agreement (c) and share encryption (s)."""
+
+    sender: int
+    c_public: bytes
+    s_public: bytes
+
+
+@dataclass(frozen=True)
+class KeyBroadcast:
+    """Round 0, server → client: the public keys of the client's share group that arrived."""
+
+    keys: dict[int, tuple[bytes, bytes]]
+
+
+@dataclass(frozen=True)
+class EncryptedShare:
+    """Round 1, client → server → client: AEAD(shares of b and c_sk) readable by `receiver`."""
+
+    sender: int
+    receiver: int
+    ciphertext: bytes
+
+
+@dataclass(frozen=True)
+class MaskedInput:
+    """Round 2, client → server: the masked ring vector, as little-endian bytes."""
+
+    sender: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """Round 3, server → client: whose self-mask shares and whose key shares to reveal."""
+
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnmaskResponse:
+    """Round 3, client → server: b-shares of survivors and c_sk-shares of dropped clients."""
+
+    sender: int
+    self_mask_shares: dict[int, bytes]
+    key_shares: dict[int, bytes]
+
+
+Message = (
+    AdvertiseKeys | KeyBroadcast | EncryptedShare | MaskedInput | UnmaskRequest | UnmaskResponse
+)
+
+
+def wire_size(obj: Any) -> int:
+    """Bytes a message takes on the wire: 4 per id, raw bytes as they are (no framing)."""
+    if isinstance(obj, bytes | bytearray):
+        return len(obj)
+    if isinstance(obj, int):
+        return 4
+    if isinstance(obj, dict):
+        return sum(wire_size(k) + wire_size(v) for k, v in obj.items())
+    if isinstance(obj, tuple | list):
+        return sum(wire_size(v) for v in obj)
+    if dataclasses.is_dataclass(obj):
+        return sum(wire_size(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    raise TypeError(f"not a wire type: {type(obj).__name__}")
+
+
+# --------------------------------------------------------------------------- parties
+
+
+@dataclass(frozen=True)
+class ProtocolParams:
+    """What all parties agree on before round 0 (in a deployment the server announces it)."""
+
+    n: int
+    threshold: int
+    dim: int
+    modulus_bits: int
+    neighbours: tuple[tuple[int, ...], ...]
+    session: bytes
+
+    def __post_init__(self) -> None:
+        for u, peers in enumerate(self.neighbours):
+            if u in peers or any(u not in self.neighbours[v] for v in peers):
+                raise ValueError("the neighbour graph must be symmetric without self-loops")
+        smallest = min(len(p) for p in self.neighbours) + 1
+        if not 1 <= self.threshold <= smallest:
+            raise ValueError(f"threshold {self.threshold} outside 1..{smallest} (share group)")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint32 if self.modulus_bits <= 32 else np.uint64)
+
+    def group(self, u: int) -> tuple[int, ...]:
+        """Who holds shares of u's secrets: u and its neighbours."""
+        return tuple(sorted((*self.neighbours[u], u)))
+
+    def finish(self, vector: np.ndarray) -> np.ndarray:
+        """Reduce a uint32/uint64 accumulator to the ring Z_{2^k} (2^k divides 2^32 or 2^64)."""
+        if self.modulus_bits not in (32, 64):
+            vector &= self.dtype.type(ring_mask(self.modulus_bits))
+        return vector
+
+
+def neighbour_graph(n: int, k: int | None, rng: np.random.Generator) -> tuple[tuple[int, ...], ...]:
+    """Everyone (k None) or a Harary graph H_{k,n} over a random ring order of the clients.
+
+    H_{k,n} (k even) links each client to the k/2 nearest on each side of the ring: k-regular
+    and k-connected, so removing a few dropped clients never isolates anyone.
+    """
+    if k is None or k >= n - 1:
+        return tuple(tuple(v for v in range(n) if v != u) for u in range(n))
+    if k % 2 or k < 2:
+        raise ValueError(f"Harary graph needs an even k >= 2, got {k}")
+    order = rng.permutation(n)
+    pos = np.empty(n, np.int64)
+    pos[order] = np.arange(n)
+    graph = []
+    for u in range(n):
+        p = pos[u]
+        peers = {int(order[(p + d) % n]) for d in range(-k // 2, k // 2 + 1) if d != 0}
+        graph.append(tuple(sorted(peers)))
+    return tuple(graph)
+
+
+class SecAggClient:
+    """One client of the protocol: keys, shares of its secrets, masking, and unmasking answers."""
+
+    def __init__(self, cid: int, params: ProtocolParams, entropy: Callable[[int], bytes]) -> None:
+        self.id = cid
+        self.params = params
+        self._rand = entropy
+        self._c_sk: X25519PrivateKey | None = None
+        self._s_sk: X25519PrivateKey | None = None
+        self._peers: dict[int, tuple[bytes, bytes]] = {}
+        self._aead: dict[int, ChaCha20Poly1305] = {}
+        self._b: bytes | None = None
+        self._held: dict[int, tuple[bytes, bytes]] = {}  # owner -> (b-share, c_sk-share)
+        self._revealed: dict[int, str] = {}  # peer -> "self_mask" | "key"
+        self._stage = "start"
+
+    def _advance(self, expect: str, to: str) -> None:
+        if self._stage != expect:
+            raise SecAggViolation(f"client {self.id}: got a {to} message in stage {self._stage}")
+        self._stage = to
+
+    def _refuse(self, problem: str) -> SecAggViolation:
+        return SecAggViolation(f"client {self.id} refuses: {problem}")
+
+    def _enough(self, alive: int, stage: str) -> None:
+        t = self.params.threshold
+        if alive < t:
+            raise SecAggAbort(
+                f"client {self.id}: {alive} clients of its share group alive at {stage}, "
+                f"below the threshold t={t}"
+            )
+
+    def advertise_keys(self) -> AdvertiseKeys:
+        """Round 0: fresh X25519 key pairs (c for masks, s for share encryption)."""
+        self._advance("start", "advertise_keys")
+        self._c_sk = X25519PrivateKey.from_private_bytes(self._rand(KEY_BYTES))
+        self._s_sk = X25519PrivateKey.from_private_bytes(self._rand(KEY_BYTES))
+        return AdvertiseKeys(
+            self.id,
+            self._c_sk.public_key().public_bytes_raw(),
+            self._s_sk.public_key().public_bytes_raw(),
+        )
+
+    def _cipher(self, peer: int) -> ChaCha20Poly1305:
+        if peer not in self._aead:
+            assert self._s_sk is not None
+            shared = self._s_sk.exchange(X25519PublicKey.from_public_bytes(self._peers[peer][1]))
+            key = hkdf(shared, b"fedvox/secagg/share-encryption/" + self.params.session)
+            self._aead[peer] = ChaCha20Poly1305(key)
+        return self._aead[peer]
+
+    def _associated(self, sender: int, receiver: int) -> tuple[bytes, bytes]:
+        # Each (key, direction) seals exactly one message, so the id pair is a unique nonce.
+        nonce = _pair(sender, receiver) + bytes(4)
+        return nonce, self.params.session + _pair(sender, receiver)
+
+    def share_keys(self, broadcast: KeyBroadcast) -> list[EncryptedShare]:
+        """Round 1: Shamir-share b and c_sk over the share group, one AEAD message per peer."""
+        self._advance("advertise_keys", "share_keys")
+        assert self._c_sk is not None
+        group = set(self.params.group(self.id))
+        if not set(broadcast.keys) <= group:
+            raise self._refuse(f"keys of non-neighbours {sorted(set(broadcast.keys) - group)}")
+        own = broadcast.keys.get(self.id)
+        mine = (
+            self._c_sk.public_key().public_bytes_raw(),
+            self._s_sk.public_key().public_bytes_raw() if self._s_sk else b"",
+        )
+        if own is not None and own != mine:
+            raise self._refuse("the server relayed a different public key for this client")
+        flat = [key for pair in broadcast.keys.values() for key in pair]
+        if len(set(flat)) != len(flat):
+            raise self._refuse("two advertised public keys are equal")
+        self._peers = {v: keys for v, keys in broadcast.keys.items() if v != self.id}
+        holders = sorted([*self._peers, self.id])
+        self._enough(len(holders), "ShareKeys")
+        t = self.params.threshold
+        xs = [h + 1 for h in holders]  # x = 0 is the secret
+        self._b = self._rand(KEY_BYTES)
+        b_shares = shamir.split(self._b, t, xs, self._rand)
+        sk_shares = shamir.split(self._c_sk.private_bytes_raw(), t, xs, self._rand)
+        self._held[self.id] = (b_shares[self.id + 1], sk_shares[self.id + 1])
+        out = []
+        for v in sorted(self._peers):
+            nonce, ad = self._associated(self.id, v)
+            sealed = self._cipher(v).encrypt(nonce, b_shares[v + 1] + sk_shares[v + 1], ad)
+            out.append(EncryptedShare(self.id, v, sealed))
+        return out
+
+    def masked_input(self, shares: Sequence[EncryptedShare], x: np.ndarray) -> MaskedInput:
+        """Round 2: y = x + PRG(b) + Σ_v ±PRG(s_uv) over the peers v whose shares arrived."""
+        self._advance("share_keys", "masked_input")
+        assert self._c_sk is not None and self._b is not None
+        for m in shares:
+            if m.receiver != self.id or m.sender not in self._peers or m.sender in self._held:
+                raise self._refuse(f"unexpected share message {m.sender} -> {m.receiver}")
+            nonce, ad = self._associated(m.sender, self.id)
+            try:
+                plain = self._cipher(m.sender).decrypt(nonce, m.ciphertext, ad)
+            except InvalidTag:
+                raise self._refuse(f"share from client {m.sender} fails authentication") from None
+            if len(plain) != 2 * SHARE_BYTES:
+                raise self._refuse(f"share from client {m.sender} has the wrong size")
+            self._held[m.sender] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])
+        self._enough(len(self._held), "MaskedInputCollection")
+        p = self.params
+        if x.shape != (p.dim,) or x.dtype != p.dtype:
+            raise ValueError(f"input must be a {p.dtype} vector of length {p.dim}")
+        stream = Keystream(p.dim, p.dtype)
+        y = x.copy()
+        np.add(y, stream(self._b), out=y)
+        for v in sorted(self._held):
+            if v == self.id:
+                continue
+            pad = stream(mask_key(self._c_sk, self._peers[v][0], p.session))
+            # The smaller id adds, the larger subtracts: the pair cancels in the sum.
+            (np.add if self.id < v else np.subtract)(y, pad, out=y)
+        return MaskedInput(self.id, p.finish(y).tobytes())
+
+    def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
+        """Round 3: b-shares of survivors, c_sk-shares of dropped peers; never both for one peer."""
+        if self._stage not in ("masked_input", "unmask"):
+            raise SecAggViolation(f"client {self.id}: unmask request in stage {self._stage}")
+        self._stage = "unmask"
+        surv, drop = set(request.survivors), set(request.dropped)
+        both = surv & drop
+        both |= {v for v in surv if self._revealed.get(v) == "key"}
+        both |= {v for v in drop if self._revealed.get(v) == "self_mask"}
+        if both:
+            raise self._refuse(f"asked for both the self-mask and the key share of {sorted(both)}")
+        if self.id in drop:
+            raise self._refuse("asked for its own mask key although it sent its input")
+        unknown = (surv | drop) - set(self._held)
+        if unknown:
+            raise self._refuse(f"holds no shares of clients {sorted(unknown)}")
+        self._enough(len(surv), "Unmasking")
+        for v in surv:
+            self._revealed[v] = "self_mask"
+        for v in drop:
+            self._revealed[v] = "key"
+        return UnmaskResponse(
+            self.id,
+            {v: self._held[v][0] for v in sorted(surv)},
+            {v: self._held[v][1] for v in sorted(drop)},
+        )
+
+
+class SecAggServer:
+    """The server: relays keys and shares, sums masked inputs, removes the masks at the end.
+
+    It only ever receives public keys, ciphertexts, masked vectors and shares; it keeps a
+    running sum of masked vectors, never an individual input.
+    """
+
+    def __init__(self, params: ProtocolParams) -> None:
+        self.params = params
+        self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._shared: set[int] = set()  # U2: clients whose shares arrived
+        self._masked: set[int] = set()  # U3: clients whose masked input arrived
+        self._sum: np.ndarray | None = None
+
+    def _enough(self, alive: int, stage: str) -> None:
+        t = self.params.threshold
+        if alive < t:
+            raise SecAggAbort(
+                f"{alive} clients alive at {stage}, below the threshold t={t}: "
+                "secure aggregation aborted, nothing is revealed"
+            )
+
+    def broadcast_keys(self, messages: Sequence[AdvertiseKeys]) -> dict[int, KeyBroadcast]:
+        """After round 0: each client gets the keys of its share group's live members."""
+        for m in messages:
+            if not 0 <= m.sender < self.params.n or m.sender in self._keys:
+                raise SecAggAbort(f"unexpected AdvertiseKeys from client {m.sender}")
+            self._keys[m.sender] = (m.c_public, m.s_public)
+        self._enough(len(self._keys), "AdvertiseKeys")
+        return {
+            u: KeyBroadcast({v: self._keys[v] for v in self.params.group(u) if v in self._keys})
+            for u in sorted(self._keys)
+        }
+
+    def route_shares(
+        self, batches: Mapping[int, Sequence[EncryptedShare]]
+    ) -> dict[int, list[EncryptedShare]]:
+        """After round 1: forward each ciphertext to its receiver (U2 = clients that shared)."""
+        self._shared = set(batches) & set(self._keys)
+        self._enough(len(self._shared), "ShareKeys")
+        routed: dict[int, list[EncryptedShare]] = {u: [] for u in sorted(self._shared)}
+        for sender, batch in batches.items():
+            for m in batch:
+                if m.sender != sender or m.receiver not in self.params.neighbours[sender]:
+                    raise SecAggAbort(f"client {sender} sent a share addressed {m.receiver}")
+                if m.receiver in routed:
+                    routed[m.receiver].append(m)
+        return routed
+
+    def receive_masked(self, message: MaskedInput) -> None:
+        """Round 2: add one masked vector to the running sum."""
+        if message.sender not in self._shared or message.sender in self._masked:
+            raise SecAggAbort(f"unexpected masked input from client {message.sender}")
+        p = self.params
+        vec = np.frombuffer(message.data, dtype=p.dtype)
+        if vec.shape != (p.dim,):
+            raise SecAggAbort(f"masked input of client {message.sender} has the wrong length")
+        if self._sum is None:
+            self._sum = vec.copy()
+        else:
+            np.add(self._sum, vec, out=self._sum)
+        self._masked.add(message.sender)
+
+    def unmask_requests(self) -> dict[int, UnmaskRequest]:
+        """Round 3 requests: U3 = clients whose masked input arrived; U2 \\ U3 dropped."""
+        self._enough(len(self._masked), "MaskedInputCollection")
+        dropped = self._shared - self._masked
+        out = {}
+        for u in sorted(self._masked):
+            group = set(self.params.group(u))
+            out[u] = UnmaskRequest(
+                tuple(sorted(group & self._masked)), tuple(sorted(group & dropped - {u}))
+            )
+        return out
+
+    def _reconstruct(
+        self,
+        shares: dict[int, bytes],
+        owner: int,
+        what: str,
+        cache: dict[tuple[int, ...], list[int]],
+    ) -> bytes:
+        t = self.params.threshold
+        if len(shares) < t:
+            raise SecAggAbort(
+                f"{len(shares)} clients of client {owner}'s share group alive at Unmasking "
+                f"(to recover its {what}), below the threshold t={t}"
+            )
+        xs = tuple(sorted(shares)[:t])
+        if xs not in cache:
+            cache[xs] = shamir.lagrange_at_zero(xs)
+        try:
+            return shamir.combine({x: shares[x] for x in xs}, KEY_BYTES, cache[xs])
+        except ValueError as err:
+            raise SecAggAbort(f"client {owner}'s {what} shares are inconsistent: {err}") from None
+
+    def unmask(self, responses: Sequence[UnmaskResponse]) -> tuple[np.ndarray, list[int]]:
+        """Round 3: rebuild b of survivors and c_sk of dropped clients, strip every mask.
+
+        Returns the ring sum of the survivors' inputs and the survivors (U3).
+        """
+        self._enough(len(responses), "Unmasking")
+        p = self.params
+        dropped = self._shared - self._masked
+        b_shares: dict[int, dict[int, bytes]] = {}
+        sk_shares: dict[int, dict[int, bytes]] = {}
+        for r in responses:
+            if r.sender not in self._masked:
+                raise SecAggAbort(f"unmask response from client {r.sender}, not a survivor")
+            if set(r.self_mask_shares) & set(r.key_shares):
+                raise SecAggAbort(f"client {r.sender} revealed both shares of one peer")
+            for v, s in r.self_mask_shares.items():
+                b_shares.setdefault(v, {})[r.sender + 1] = s
+            for v, s in r.key_shares.items():
+                sk_shares.setdefault(v, {})[r.sender + 1] = s
+        assert self._sum is not None
+        total = self._sum
+        stream = Keystream(p.dim, p.dtype)
+        cache: dict[tuple[int, ...], list[int]] = {}
+        for v in sorted(self._masked):
+            b = self._reconstruct(b_shares.get(v, {}), v, "self-mask seed", cache)
+            np.subtract(total, stream(b), out=total)
+        for d in sorted(dropped):
+            alive = [u for u in p.neighbours[d] if u in self._masked]
+            if not alive:
+                continue
+            sk = self._reconstruct(sk_shares.get(d, {}), d, "mask key", cache)
+            private = X25519PrivateKey.from_private_bytes(sk)
+            if private.public_key().public_bytes_raw() != self._keys[d][0]:
+                raise SecAggAbort(f"client {d}'s reconstructed mask key does not match its key")
+            for u in alive:
+                pad = stream(mask_key(private, self._keys[u][0], p.session))
+                # u added +pad when u < d, −pad otherwise: undo it.
+                (np.subtract if u < d else np.add)(total, pad, out=total)
+        self._sum = None
+        return p.finish(total), sorted(self._masked)
+
+
+# --------------------------------------------------------------------------- in-process run
+
+
+@dataclass
+class RunStats:
+    """Seconds and bytes of one protocol run (per client lists cover clients that ran a stage)."""
+
+    client_seconds: dict[str, list[float]] = field(default_factory=dict)
+    server_seconds: dict[str, float] = field(default_factory=dict)
+    bytes_up: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    bytes_down: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+def run_protocol(
+    params: ProtocolParams,
+    inputs: Callable[[int], np.ndarray],
+    entropies: Sequence[Callable[[int], bytes]],
+    drop_after: Mapping[int, str] | None = None,
+    transcript: list[tuple[str, int, Message]] | None = None,
+) -> tuple[np.ndarray, list[int], RunStats]:
+    """Run all four rounds in process; returns (ring sum of survivors' inputs, survivors, stats).
+
+    `inputs(i)` gives client i's encoded vector (called only if i reaches round 2);
+    `drop_after[i]` is the stage in STAGES after which client i goes silent. `transcript`
+    collects ("up" | "down", client, message) for every message that crosses the network.
+    """
+    drop_after = dict(drop_after or {})
+    bad = {s for s in drop_after.values() if s not in STAGES}
+    if bad:
+        raise ValueError(f"unknown dropout stages {sorted(bad)}; use one of {STAGES}")
+    n = params.n
+    stats = RunStats(bytes_up=np.zeros(n, np.int64), bytes_down=np.zeros(n, np.int64))
+
+    def takes_part(i: int, stage: str) -> bool:
+        return STAGES.index(drop_after.get(i, "unmask")) >= STAGES.index(stage)
+
+    def up(i: int, m: Message) -> Message:
+        stats.bytes_up[i] += wire_size(m)
+        if transcript is not None:
+            transcript.append(("up", i, m))
+        return m
+
+    def down(i: int, m: Message) -> Message:
+        stats.bytes_down[i] += wire_size(m)
+        if transcript is not None:
+            transcript.append(("down", i, m))
+        return m
+
+    def timed(stage: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        stats.client_seconds.setdefault(stage, []).append(time.perf_counter() - start)
+        return out
+
+    clients = [SecAggClient(i, params, entropies[i]) for i in range(n)]
+    server = SecAggServer(params)
+    clock = time.perf_counter()
+
+    adverts = [
+        up(i, timed("key_setup", clients[i].advertise_keys))
+        for i in range(n)
+        if takes_part(i, "advertise_keys")
+    ]
+    broadcasts = server.broadcast_keys(adverts)  # type: ignore[arg-type]
+    batches = {}
+    for i, msg in broadcasts.items():
+        down(i, msg)
+        if takes_part(i, "share_keys"):
+            batch = timed("sharing", lambda c=clients[i], m=msg: c.share_keys(m))
+            batches[i] = [up(i, s) for s in batch]
+    routed = server.route_shares(batches)
+    for i, shares in routed.items():
+        for s in shares:
+            down(i, s)
+        if takes_part(i, "masked_input"):
+            x = timed("encode", lambda i=i: inputs(i))
+            masked = timed("masking", lambda c=clients[i], s=shares, x=x: c.masked_input(s, x))
+            del x
+            server.receive_masked(up(i, masked))  # type: ignore[arg-type]
+    stats.server_seconds["relay_and_sum"] = (
+        time.perf_counter() - clock - sum(sum(v) for v in stats.client_seconds.values())
+    )
+    requests = server.unmask_requests()
+    responses = []
+    for i, req in requests.items():
+        down(i, req)
+        if takes_part(i, "unmask"):
+            resp = timed("unmask_reply", lambda c=clients[i], r=req: c.unmask(r))
+            responses.append(up(i, resp))
+    clock = time.perf_counter()
+    total, survivors = server.unmask(responses)  # type: ignore[arg-type]
+    stats.server_seconds["unmasking"] = time.perf_counter() - clock
+    return total, survivors, stats
+
+
+# --------------------------------------------------------------------------- the Summer
+
+
+def _session_secret(seed: int, call: int) -> bytes:
+    """Secret root of one call's simulated randomness (keys, seeds, Shamir coefficients)."""
+    material = seed.to_bytes(16, "big") + call.to_bytes(8, "big")
+    return hkdf(material, b"fedvox/secagg/session-secret")
+
+
+class SecureSum:
+    """Summer running the protocol over the clients of each call (fl/aggregation.Summer).
+
+    Every call has fresh keys: its secrets derive from (seed, call index), so a run is
+    deterministic given the seed, repeated calls differ, and state_dict() makes a resumed run
+    bit-identical. Returns (Σ w_i Δ_i as float32, Σ w_i, survivors) over the survivors only.
+    A simulation: messages, costs and dropouts are the real protocol's, but its secrets are
+    only as hidden as the seed; deployed clients draw theirs from `Entropy()` (the OS).
+    """
+
+    def __init__(self, config: SecAggConfig, seed: int | None = None) -> None:
+        self.config = config
+        self.seed = config.seed if seed is None else seed
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError("secagg.seed", f"{self.seed!r} is not an int >= 0", "use e.g. 0")
+        self.calls = 0
+        self.last_stats: RunStats | None = None
+        self.last_survivors: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"calls": self.calls, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state.get("seed", self.seed)) != self.seed:
+            raise ConfigError(
+                "secagg.seed",
+                f"the checkpoint was written with seed {state['seed']}, this run has {self.seed}",
+                "resume with the seed of the checkpointed run",
+            )
+        self.calls = int(state["calls"])
+
+    def _rng(self, purpose: int, *ids: int) -> np.random.Generator:
+        return np.random.default_rng(np.random.SeedSequence([self.seed, purpose, *ids]))
+
+    def protocol_params(self, n: int, dim: int, call: int) -> ProtocolParams:
+        """The public parameters of call `call` over n clients with `dim` coordinates."""
+        cfg = self.config
+        k = cfg.neighbour_count(n)
+        graph = neighbour_graph(n, k, self._rng(PURPOSE_GRAPH, call))
+        t = cfg.group_threshold(min(len(g) for g in graph) + 1)
+        session = hashlib.sha256(b"fedvox/secagg/session-id" + _session_secret(self.seed, call))
+        return ProtocolParams(n, t, dim, cfg.modulus_bits, graph, session.digest()[:16])
+
+    def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, float, int]:
+        cfg = self.config
+        n = int(weights.shape[0])
+        call = self.calls
+        self.calls += 1  # counted even if it aborts, so a resumed run stays in step
+        if n < 2:
+            raise SecAggAbort(f"{n} client alive, below the 2 secure aggregation needs")
+        cfg.check_capacity(n)
+        w = weights.detach().to(torch.float64).cpu().numpy()
+        names = list(deltas)
+        if any(deltas[name].shape[0] != n for name in names):
+            raise ValueError(f"every delta needs a leading client axis of {n} (one per weight)")
+        shapes = [deltas[name].shape[1:] for name in names]
+        sizes = [math.prod(s) for s in shapes]
+        params = self.protocol_params(n, sum(sizes) + 1, call)
+
+        drops: dict[int, str] = {}
+        if cfg.dropout > 0:
+            u = self._rng(PURPOSE_DROPOUT, call).random(n)
+            drops = {i: cfg.dropout_after for i in range(n) if u[i] < cfg.dropout}
+
+        def inputs(i: int) -> np.ndarray:
+            flat = torch.cat([deltas[name][i].detach().reshape(-1) for name in names])
+            rng = self._rng(PURPOSE_ROUNDING, call, i)
+            return encode(flat.to(torch.float64).cpu().numpy(), float(w[i]), cfg, rng)
+
+        root = _session_secret(self.seed, call)
+        entropies = [Entropy(hkdf(root, b"fedvox/secagg/client/%d" % i)) for i in range(n)]
+        total, survivors, stats = run_protocol(params, inputs, entropies, drops)
+        self.last_stats, self.last_survivors = stats, survivors
+        values, weight = decode(total, cfg)
+        out, offset = {}, 0
+        for name, shape, size in zip(names, shapes, sizes, strict=True):
+            part = values[offset : offset + size].astype(np.float32).reshape(shape)
+            out[name] = torch.from_numpy(part).to(deltas[name].device)
+            offset += size
+        return out, weight, len(survivors)
