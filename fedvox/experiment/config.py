@@ -162,6 +162,36 @@ class PartitionSection(_Strict):
     min_utts: int = Field(1, ge=1)
 
 
+class PrivacySection(_Strict):
+    """User-level DP and secure aggregation on the aggregation pipeline (fedvox.privacy).
+
+    mechanism "gaussian": clip each update, add N(0, (zS)²) to the sum, account for the
+    fixed-size cohort sampling of synchronous FedAvg; "dp_ftrl": tree-aggregation noise
+    (Kairouz et al. 2021), no sampling needed, so it also covers FedBuff/FedAsync — each
+    client then trains at most once per tree (an epoch of the population). Configurations
+    the accountant cannot back are refused before training.
+    """
+
+    mechanism: Literal["none", "gaussian", "dp_ftrl"] = "none"
+    noise_multiplier: float = Field(1.0, gt=0, description="noise std / clip norm (z)")
+    clip: Literal["fixed", "adaptive"] = "fixed"
+    clip_norm: float = Field(1.0, gt=0, description="S; the initial S when adaptive")
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="adaptive clipping γ")
+    clip_lr: float = Field(0.2, gt=0, description="adaptive clipping η_C")
+    count_noise_std: float = Field(0.0, ge=0, description="σ_b on the unclipped count")
+    delta: float = Field(1e-5, gt=0, lt=1)
+    accounting: Literal["rdp", "pld"] = "rdp"
+    secure_aggregation: bool = False
+    secagg_threshold: float = Field(2 / 3, gt=0, le=1, description="fraction t/n to unmask")
+    secagg_neighbours: int | Literal["auto"] | None = Field(
+        None, description="SecAgg+ neighbours per client; None = everyone (Bonawitz)"
+    )
+    secagg_dropout: float = Field(0.0, ge=0, lt=1, description="simulated protocol dropouts")
+    secagg_scale_bits: int | None = Field(
+        None, ge=1, le=30, description="fixed-point bits; None = the most that fit the ring"
+    )
+
+
 class FederatedSection(_Strict):
     """Federated training on the virtual clock (fedvox.fl); absent = centralised training.
 
@@ -186,11 +216,15 @@ class FederatedSection(_Strict):
     local_batch_size: int = Field(16, ge=1)
     local_lr: float = Field(0.05, gt=0)
     mu: float = Field(0.0, ge=0, description="FedProx proximal weight")
+    weighting: Literal["examples", "uniform"] = Field(
+        "examples", description="FedAvg: weight updates by examples, or each client once"
+    )
     chunk_frames: int = Field(200, ge=20, description="fixed training-chunk length on clients")
     server_steps: int = Field(200, ge=1)
     eval_every: int = Field(20, ge=1, description="server steps between held-out evaluations")
     checkpoint_every: int = Field(20, ge=1, description="server steps between checkpoints")
     partition: PartitionSection = PartitionSection()
+    privacy: PrivacySection = PrivacySection()
 
     @model_validator(mode="after")
     def _check(self) -> FederatedSection:

@@ -21,6 +21,7 @@ from fedvox.errors import ConfigError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.evaluate import quick_eval
 from fedvox.experiment.prepare import PreparedData
+from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import (
     ClientConfig,
@@ -127,6 +128,7 @@ class FederatedSetup:
     task: SpeakerTask
     simulator: Simulator
     partition: Partition
+    privacy: PrivacyPipeline
     records: list[dict] = field(default_factory=list)
 
 
@@ -152,7 +154,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         opt_kw["momentum"] = f.server_momentum
     server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
     if f.algorithm == "fedavg":
-        algorithm = make_algorithm("fedavg", server_opt=server_opt)
+        algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
     elif f.algorithm == "fedbuff":
         algorithm = make_algorithm(
             "fedbuff",
@@ -165,7 +167,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         algorithm = make_algorithm(
             "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
         )
-    setup = FederatedSetup(task, None, part)  # type: ignore[arg-type]
+    privacy = build_privacy(f, population.num_clients, cfg.seed)
+    setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
     sim = Simulator(
         task,
         population,
@@ -177,8 +180,12 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
             over_selection=f.over_selection,
             dropout=f.dropout,
             seed=cfg.seed,
+            once_per_epoch=privacy.mechanism == "dp_ftrl",
         ),
         callback=setup.records.append,
+        stages=privacy.stages,
+        summer=privacy.summer,
+        noise=privacy.noise,
     )
     setup.simulator = sim
     return setup
@@ -200,11 +207,18 @@ def _server_record(r: dict) -> dict:
         "cancelled",
     )
     out = {k: r[k] for k in keep if k in r}
+    out.update({k: v for k, v in r.items() if k.startswith("agg_")})
     out["kind"] = "server"
     out["step"] = r["server_step"]
     out["trips"] = r["trips_completed"]
     out["virtual_time_s"] = r["time"]
     return out
+
+
+def _privacy_record(privacy: PrivacyPipeline, steps: int) -> dict:
+    if not privacy.dp:
+        return {}
+    return {"epsilon": privacy.epsilon(steps), "delta": privacy.delta}
 
 
 def run_federated(
@@ -263,6 +277,7 @@ def run_federated(
                         "bytes_down": sim.counters["bytes_down"],
                         "loss": metrics[-1]["loss"] if metrics else None,
                         **m,
+                        **_privacy_record(setup.privacy, sim.server_step),
                     }
                 )
             append_jsonl(run.metrics_path, metrics)

@@ -36,13 +36,17 @@ def learning_curve_table(points: list[dict]) -> str:
     if not points:
         return ""
     fed = "trips" in points[0]
+    dp = points[-1].get("epsilon") is not None
     head = "| step | train loss | cosine EER |" + (" client trips | virtual hours |" if fed else "")
+    head += " ε |" if dp else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in points:
         loss = p.get("loss")
         row = f"| {p['step']} | {'-' if loss is None else f'{loss:.3f}'} | {pct(p['eer'])} |"
         if fed:
             row += f" {p['trips']} | {p['virtual_time_s'] / 3600:.2f} |"
+        if dp:
+            row += f" {p['epsilon']:.3g} |" if p.get("epsilon") is not None else " - |"
         lines.append(row)
     return "\n".join(lines)
 

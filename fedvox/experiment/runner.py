@@ -140,6 +140,36 @@ def _evaluate_and_finish(
     return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
 
 
+def _privacy_note(cfg: ExperimentConfig, curve: list[dict]) -> tuple[str, dict] | None:
+    """The privacy line of the report and its JSON, for federated runs with DP or SecAgg."""
+    if cfg.federated is None:
+        return None
+    p = cfg.federated.privacy
+    if p.mechanism == "none" and not p.secure_aggregation:
+        return None
+    eps = next((r["epsilon"] for r in reversed(curve) if r.get("epsilon") is not None), None)
+    info = {
+        "mechanism": p.mechanism,
+        "noise_multiplier": p.noise_multiplier if p.mechanism != "none" else None,
+        "clip": p.clip if p.mechanism != "none" else None,
+        "epsilon": eps,
+        "delta": p.delta if p.mechanism != "none" else None,
+        "accounting": p.accounting if p.mechanism != "none" else None,
+        "secure_aggregation": p.secure_aggregation,
+    }
+    parts = []
+    if p.mechanism != "none":
+        parts.append(
+            f"user-level DP ({p.mechanism}, z={p.noise_multiplier}, {p.clip} clip): "
+            f"(ε, δ) = ({eps:.3g}, {p.delta:g}) by {p.accounting.upper()} accounting"
+            if eps is not None
+            else f"user-level DP ({p.mechanism}): no server step yet"
+        )
+    if p.secure_aggregation:
+        parts.append("secure aggregation: the server saw only masked updates and their sum")
+    return "privacy: " + "; ".join(parts), info
+
+
 def finish_run(
     run: RunFolder,
     cfg: ExperimentConfig,
@@ -160,12 +190,15 @@ def finish_run(
     summary = {"backends": result.summary(), "baseline_stats_cosine": baseline}
     whash = weights_hash(extractor)
     summary["weights_sha256"] = whash
+    curve = [r for r in run.read_metrics() if r.get("kind") == "eval"]
+    privacy_note = _privacy_note(cfg, curve)
+    if privacy_note is not None:
+        summary["privacy"] = privacy_note[1]
     atomic_write_text(
         run.path / "metrics.json", json.dumps(summary, indent=2, sort_keys=True) + "\n"
     )
     curves = {name: (s[result.labels], s[~result.labels]) for name, s in result.scores.items()}
     plot_det(curves, run.path / "det.png", title=f"DET — {cfg.name}")
-    curve = [r for r in run.read_metrics() if r.get("kind") == "eval"]
     system = cfg.model.name
     if cfg.federated is not None:
         f = cfg.federated
@@ -192,6 +225,7 @@ def finish_run(
         notes=[
             f"training + evaluation took {seconds:.0f} s",
             f"verify threshold (cosine, EER point): {calib['threshold']:.4f}",
+            *([privacy_note[0]] if privacy_note else []),
         ],
     )
     return RunOutcome(run, result, baseline or {}, curve, whash, seconds)

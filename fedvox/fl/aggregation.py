@@ -131,6 +131,15 @@ class Aggregator:
         self.reset()
         return total, weight, count
 
+    def metrics(self) -> dict[str, float]:
+        """What the stages report about the last server step (e.g. clip norm, fraction clipped)."""
+        out: dict[str, float] = {}
+        for stage in [*self.stages, self.summer, *self.noise]:
+            last = getattr(stage, "last_metrics", None)
+            if last is not None:
+                out.update({f"agg_{k}": v for k, v in last().items()})
+        return out
+
     def _stateful(self) -> list[Any]:
         return [s for s in [*self.stages, self.summer, *self.noise] if hasattr(s, "state_dict")]
 

@@ -67,6 +67,11 @@ class SimulatorConfig:
     availability: Availability | None = None
     retry_interval: float = 1.0
     seed: int = 0
+    # DP-FTRL needs each client at most once per tree: with once_per_epoch a client that has
+    # started a trip is not selected again until every client has (an epoch); then a new epoch
+    # begins, noise stages with restart() restart their tree, and clients still in flight or
+    # buffered count as used in the new epoch (their update lands in the new tree).
+    once_per_epoch: bool = False
 
 
 class Simulator:
@@ -127,6 +132,8 @@ class Simulator:
         self.round = {"id": 0, "outstanding": 0}
         self.retry_pending = False
         self.started = False
+        self.epoch = 0
+        self.used: set[int] = set()  # clients that started a trip this epoch (once_per_epoch)
 
     # -- public -------------------------------------------------------------------------
 
@@ -180,7 +187,26 @@ class Simulator:
 
     def _eligible(self, c: int, time: float) -> bool:
         avail = self.config.availability
+        if self.config.once_per_epoch and c in self.used:
+            return False
         return c not in self._busy and (avail is None or avail(c, time))
+
+    def _blocked(self) -> set[int]:
+        """Clients that cannot start a trip now: in flight, or used this epoch."""
+        busy = self._busy
+        return busy | self.used if self.config.once_per_epoch else busy
+
+    def _new_epoch(self, time: float) -> None:
+        """Every client has had its turn: restart noise trees; in-flight/buffered count as used."""
+        self.epoch += 1
+        self.used = self._busy | {it["client"] for it in self.pending}
+        for stage in self.aggregator.noise:
+            restart = getattr(stage, "restart", None)
+            if restart is not None:
+                restart()
+        self._emit(
+            {"kind": "epoch", "time": time, "epoch": self.epoch, "server_step": self.server_step}
+        )
 
     @property
     def _busy(self) -> set[int]:
@@ -190,7 +216,11 @@ class Simulator:
         rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
         self.counters["selections"] += 1
         n = self.population.num_clients
-        busy = self._busy
+        if self.config.once_per_epoch and len(self._blocked()) >= n:
+            if len(self._busy) + len(self.pending) >= n:
+                return None  # nobody free even in a new epoch: wait for trips to end
+            self._new_epoch(time)
+        busy = self._blocked()
         avail = self.config.availability
         for _ in range(_SELECT_TRIES):
             c = int(rng.integers(n))
@@ -203,7 +233,9 @@ class Simulator:
         rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
         self.counters["selections"] += 1
         n = self.population.num_clients
-        if self.config.availability is None and not self.in_flight:
+        if self.config.once_per_epoch and n - len(self._blocked()) < m:
+            self._new_epoch(time)  # too few unused clients left for a whole cohort
+        if self.config.availability is None and not self.in_flight and not self.used:
             return [int(c) for c in rng.choice(n, size=m, replace=False)]
         eligible = np.array([c for c in range(n) if self._eligible(c, time)], dtype=np.int64)
         m = min(m, len(eligible))
@@ -215,6 +247,8 @@ class Simulator:
         # the client's own trip number keys its randomness: independent of other clients
         trip = self.client_trips.get(client, 0)
         self.client_trips[client] = trip + 1
+        if self.config.once_per_epoch:
+            self.used.add(client)
         rng = derived_rng(self.config.seed, PURPOSE_DELAY, client, trip)
         duration = self.config.delay.sample(
             client, int(self.examples[client]), self.mean_examples, rng
@@ -375,6 +409,7 @@ class Simulator:
                 "staleness_mean": float(staleness.mean()),
                 "concurrency": concurrency,
                 **self.counters,
+                **self.aggregator.metrics(),
             }
         )
 
@@ -401,6 +436,8 @@ class Simulator:
             "round": dict(self.round),
             "retry_pending": self.retry_pending,
             "started": self.started,
+            "epoch": self.epoch,
+            "used": sorted(self.used),
             "events": copy.deepcopy(self.events.state_dict()),
             "algorithm": self.algorithm.state_dict(),
             "aggregator": self.aggregator.state_dict(),
@@ -420,6 +457,8 @@ class Simulator:
         self.round = dict(state["round"])
         self.retry_pending = bool(state["retry_pending"])
         self.started = bool(state["started"])
+        self.epoch = int(state.get("epoch", 0))
+        self.used = {int(c) for c in state.get("used", [])}
         self.events.load_state_dict(copy.deepcopy(state["events"]))
         self.algorithm.load_state_dict(state["algorithm"])
         self.aggregator.load_state_dict(state["aggregator"])

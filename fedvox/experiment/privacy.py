@@ -1,0 +1,133 @@
+"""Privacy wiring for federated runs: config → clipping, secure sum, noise, and ε as it goes.
+
+Between the `[federated.privacy]` config section and the simulator's aggregation pipeline
+(fl/aggregation.py): builds the stages from fedvox.privacy, refuses a DP claim the
+accountant cannot back, and computes (ε, δ) from what the simulator has actually done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fedvox.errors import ConfigError
+from fedvox.experiment.config import FederatedSection
+from fedvox.fl.aggregation import NoiseStage, Summer, SumStage
+from fedvox.privacy.accounting import PrivacyAccountant, check_dp_setup
+from fedvox.privacy.dp import AdaptiveClip, FixedClip, GaussianNoise, combined_noise_multiplier
+from fedvox.privacy.secagg import SecAggConfig, SecureSum
+from fedvox.privacy.tree import TreeNoise
+
+# Seeds of the privacy stages derive from the run seed and these offsets (independent streams).
+SEED_CLIP, SEED_NOISE, SEED_SECAGG = 0x51, 0x52, 0x53
+# SecAgg's fixed-point resolution: the most bits (≤ this) whose ring still holds the cohort.
+MAX_SCALE_BITS = 22
+
+
+@dataclass
+class PrivacyPipeline:
+    """The aggregation stages of a run and how to account for them."""
+
+    stages: list[SumStage] = field(default_factory=list)
+    summer: Summer | None = None
+    noise: list[NoiseStage] = field(default_factory=list)
+    mechanism: str = "none"
+    accounting: str = "rdp"
+    noise_multiplier: float = 0.0  # z used by the accountant (joint z with adaptive clipping)
+    cohort: int = 0
+    num_clients: int = 0
+    delta: float = 0.0
+
+    @property
+    def dp(self) -> bool:
+        return self.mechanism != "none"
+
+    def epsilon(self, server_steps: int) -> float | None:
+        """ε at δ after `server_steps` steps (None without DP). Recomputed from the state of
+        the noise stage and the step count, so nothing extra needs checkpointing."""
+        if not self.dp or server_steps == 0:
+            return None
+        acc = PrivacyAccountant(self.accounting)
+        if self.mechanism == "dp_ftrl":
+            tree = next(s for s in self.noise if isinstance(s, TreeNoise))
+            acc.trees(self.noise_multiplier, [c for c in tree.step_counts() if c > 0])
+        else:
+            acc.sampled_without_replacement(
+                self.cohort, self.num_clients, self.noise_multiplier, steps=server_steps
+            )
+        return float(acc.epsilon(self.delta))
+
+
+def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPipeline:
+    """The pipeline for `f.privacy`; raises ConfigError for a DP claim without valid accounting."""
+    p = f.privacy
+    cohort = f.concurrency if f.algorithm == "fedavg" else f.buffer_size
+    pipe = PrivacyPipeline(
+        mechanism=p.mechanism,
+        accounting=p.accounting,
+        cohort=cohort,
+        num_clients=num_clients,
+        delta=p.delta,
+    )
+    weighting = f.weighting if f.algorithm == "fedavg" else "uniform"  # staleness weights ≤ 1
+    if p.mechanism != "none":
+        check_dp_setup(
+            f.algorithm,
+            "without_replacement" if f.algorithm == "fedavg" else "arrival",
+            mechanism="dp_ftrl" if p.mechanism == "dp_ftrl" else "gaussian",
+            noise_multiplier=p.noise_multiplier,
+            delta=p.delta,
+            num_clients=num_clients,
+            cohort_size=cohort,
+            clip=p.clip,
+            clip_norm=p.clip_norm,
+            count_noise_std=p.count_noise_std,
+            accounting=p.accounting,
+            weighting=weighting,
+            over_selection=f.over_selection,
+            dropout=f.dropout,
+            availability=False,
+            fixed_denominator=True,  # FedAvg divides by the fixed cohort, FedBuff by K
+            once_per_tree=p.mechanism == "dp_ftrl",  # the simulator runs once_per_epoch
+        )
+        if p.clip == "adaptive":
+            clip: FixedClip = AdaptiveClip(
+                p.clip_norm,
+                p.target_quantile,
+                learning_rate=p.clip_lr,
+                count_noise_std=p.count_noise_std,
+                seed=seed + SEED_CLIP,
+            )
+            pipe.noise_multiplier = combined_noise_multiplier(p.noise_multiplier, p.count_noise_std)
+        else:
+            clip = FixedClip(p.clip_norm)
+            pipe.noise_multiplier = p.noise_multiplier
+        pipe.stages.append(clip)
+        if p.mechanism == "gaussian":
+            pipe.noise.append(GaussianNoise(p.noise_multiplier, clip, seed=seed + SEED_NOISE))
+        else:
+            pipe.noise.append(TreeNoise(p.noise_multiplier * p.clip_norm, seed=seed + SEED_NOISE))
+    if p.secure_aggregation:
+        max_weight = 1.0
+        if weighting == "examples":
+            raise ConfigError(
+                "federated.weighting",
+                "secure aggregation needs a public bound on client weights, and example "
+                "counts have none",
+                'set federated.weighting = "uniform" with secure_aggregation',
+            )
+        bits = p.secagg_scale_bits
+        if bits is None:  # the finest resolution whose ring still holds the whole cohort
+            bits = MAX_SCALE_BITS
+            while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
+                bits -= 1
+        config = SecAggConfig(
+            threshold=p.secagg_threshold,
+            scale_bits=bits,
+            max_weight=max_weight,
+            neighbours=p.secagg_neighbours,
+            dropout=p.secagg_dropout,
+            seed=seed + SEED_SECAGG,
+        )
+        config.check_capacity(cohort)
+        pipe.summer = SecureSum(config, seed=seed + SEED_SECAGG)
+    return pipe
