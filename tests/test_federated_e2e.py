@@ -90,7 +90,14 @@ def test_federated_run_folder(tmp_path: Path, cache: Path, algorithm: str) -> No
     if algorithm == "fedbuff":
         assert all(r["updates"] == 2 for r in server)
         assert max(t.get("staleness", 0) for t in trips) > 0
-    assert (run / "report.md").read_text().count("client trips") == 1
+    report = (run / "report.md").read_text()
+    assert report.count("| client trips |") == 1  # the learning-curve column
+    assert "staleness.png" in report and (run / "staleness.png").stat().st_size > 1000
+    hourly = (run / "hourly.csv").read_text().splitlines()
+    head = hourly[0].split(",")
+    rows = [dict(zip(head, line.split(","), strict=True)) for line in hourly[1:]]
+    assert sum(int(r["trips_aggregated"]) for r in rows) == sum(r["updates"] for r in server)
+    assert sum(int(r["server_steps"]) for r in rows) == len(server)
 
 
 def test_federated_sigkill_resume_is_bit_identical(tmp_path: Path, cache: Path) -> None:

@@ -59,6 +59,7 @@ def write_report(
     curve: list[dict],
     det_png: str | None,
     notes: list[str] | None = None,
+    extra: list[str] | None = None,
 ) -> Path:
     """Write report.md: provenance, results table, learning curve and DET plot."""
     git = manifest.get("git", {})
@@ -80,6 +81,8 @@ def write_report(
         parts += ["## Learning curve", "", learning_curve_table(curve), ""]
     if det_png:
         parts += ["## DET curve", "", f"![DET curve]({det_png})", ""]
+    if extra:
+        parts += extra
     if notes:
         parts += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     parts += ["<!-- metrics as JSON -->", "```json", json.dumps(dict(rows), indent=1), "```", ""]

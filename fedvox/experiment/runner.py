@@ -25,6 +25,7 @@ from fedvox.experiment.evaluate import (
     evaluate_extractor,
     quick_eval,
 )
+from fedvox.experiment.fedstats import write_fed_stats
 from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
 from fedvox.experiment.runfolder import RunFolder
@@ -200,6 +201,19 @@ def finish_run(
     curves = {name: (s[result.labels], s[~result.labels]) for name, s in result.scores.items()}
     plot_det(curves, run.path / "det.png", title=f"DET — {cfg.name}")
     system = cfg.model.name
+    fed_section: list[str] = []
+    if cfg.federated is not None and (stats := write_fed_stats(run.path, cfg.name)) is not None:
+        fed_section = [
+            "## Client trips",
+            "",
+            "Staleness of the aggregated updates (server steps between download and upload):",
+            "",
+            "![staleness](staleness.png)",
+            "",
+            f"Per virtual hour ({stats['hours']} h): trips by outcome, server steps, mean "
+            "staleness and concurrency, MB up and down — `hourly.csv`.",
+            "",
+        ]
     if cfg.federated is not None:
         f = cfg.federated
         system += f", federated {f.algorithm} C={f.concurrency}"
@@ -222,6 +236,7 @@ def finish_run(
         rows,
         curve,
         "det.png",
+        extra=fed_section,
         notes=[
             f"training + evaluation took {seconds:.0f} s",
             f"verify threshold (cosine, EER point): {calib['threshold']:.4f}",
