@@ -16,7 +16,9 @@ its query embeddings and all P public prototypes would coincide: every cosine is
 logit equal (up to the margin), and the loss is log(P + 1) (log(1 + P·e^{s(1−cos m)}) with
 margin m), the chance-level value of an uninformative model. Lowering it requires
 cos(e, own) > cos(e, public) for the device's speaker, i.e. separating it from the public
-speakers, so collapse is never a minimum. Contrast positive-only training (negatives="none"),
+speakers, so collapse is never a minimum (it is a plateau: the gradient, ∝ the cosine gaps,
+vanishes there, so training should not be pushed towards it; an early AAM margin does, see
+the margin ramp in heads.margin_schedule). Contrast positive-only training (negatives="none"),
 whose loss 1 − cos(e, own) is 0, its global minimum, exactly at collapse; and a bank of
 impostor vectors learned only from clients' gradients, which drifts away from every speaker
 until its logits vanish and the loss is positive-only again (the FedAwS paper's starting
@@ -475,9 +477,11 @@ def speaker_separation(
 
     Per speaker, the chunks at even positions (in order) enroll a prototype (closed form, as
     on a device) and the odd ones are tests. Returns "spread" (mean pairwise cosine distance
-    1 − cos between prototypes: → 0 when speakers collapse), "min_distance" (smallest such
-    distance), "accuracy" (test chunk's closest prototype is its own) and "eer" (every test
-    chunk scored against every prototype). Needs >= 2 speakers with >= 2 chunks each.
+    1 − cos between prototypes: → 0 when speakers collapse; a common offset that only narrows
+    the cone lowers it too, so read it with the others), "min_distance" (the smallest),
+    "accuracy" (a test chunk's closest prototype is its own) and "eer" (every test chunk
+    cosine-scored against every prototype).
+    Needs >= 2 speakers with >= 2 chunks each.
     """
     y_np = np.asarray(y)
     speakers = np.unique(y_np)
@@ -490,18 +494,14 @@ def speaker_separation(
     if len(speakers) < 2:
         raise DataError(None, "one speaker only", "give at least 2 speakers")
     with torch.no_grad():
-        e = torch.cat(
-            [
-                F.normalize(task.embed(params, x[i : i + batch]), dim=-1)
-                for i in range(0, len(x), batch)
-            ]
-        )
+        raw = torch.cat([task.embed(params, x[i : i + batch]) for i in range(0, len(x), batch)])
     label = torch.from_numpy(np.searchsorted(speakers, y_np))
     enroll = torch.from_numpy(rank % 2 == 0)
+    off = ~torch.eye(len(speakers), dtype=torch.bool)
+    e = F.normalize(raw, dim=-1)
     sums = torch.zeros(len(speakers), e.shape[1]).index_add_(0, label[enroll], e[enroll])
     protos = F.normalize(sums, dim=-1)
     dist = 1.0 - protos @ protos.T
-    off = ~torch.eye(len(speakers), dtype=torch.bool)
     scores = e[~enroll] @ protos.T  # [tests, speakers]
     truth = label[~enroll]
     is_tgt = truth.unsqueeze(1) == torch.arange(len(speakers))

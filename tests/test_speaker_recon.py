@@ -1,0 +1,407 @@
+"""Tests for speakers as local parameters (fedvox.tasks.speakers): the prototype and the public
+negatives never reach the aggregator, enrollment in closed form, collapse detection (public
+negatives keep unseen speakers apart, positive-only training does not), FedAwS, determinism."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import vmap
+
+from fedvox.errors import ConfigError, DataError
+from fedvox.fl import (
+    ClientConfig,
+    FedAvg,
+    FedBuff,
+    ServerAdam,
+    ServerSGD,
+    Simulator,
+    SimulatorConfig,
+)
+from fedvox.fl.aggregation import plain_sum
+from fedvox.fl.recon import ReconConfig, ReconTask, reconstruct, train_clients_recon
+from fedvox.models import build_extractor
+from fedvox.tasks.speakers import (
+    CLASS_VECTORS,
+    NEGATIVES,
+    PROTOTYPES,
+    FedAwS,
+    FedAwSTask,
+    FedBuffAwS,
+    SpeakerReconTask,
+    make_speaker_recon_update,
+    public_prototypes,
+    public_store_from_features,
+    speaker_population,
+    speaker_separation,
+    spreadout,
+    spreadout_loss,
+    with_negatives,
+)
+
+FEAT, FRAMES, CHUNKS = 8, 12, 8
+RECON = ReconConfig(steps=0, closed_form=True)
+
+
+class TinyExtractor(nn.Module):
+    """Mean+std pooling → Linear → ReLU → Linear: a speaker embedding in a few hundred weights."""
+
+    def __init__(self, feat: int = FEAT, hidden: int = 32, emb_dim: int = 16) -> None:
+        super().__init__()
+        self.emb_dim = emb_dim
+        self.l1 = nn.Linear(2 * feat, hidden)
+        self.l2 = nn.Linear(hidden, emb_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(F.relu(self.l1(torch.cat([x.mean(1), x.std(1)], -1))))
+
+
+def toy_chunks(n_speakers: int, chunks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunks [N, FRAMES, FEAT]: speaker mean in the first half of the features, a large
+    per-chunk channel offset in the second half (to be learned away), unit frame noise."""
+    rng = np.random.default_rng(seed)
+    half = FEAT // 2
+    mu = np.concatenate([rng.normal(size=(n_speakers, half)), np.zeros((n_speakers, half))], 1)
+    y = np.repeat(np.arange(n_speakers), chunks)
+    chan = np.concatenate([np.zeros((len(y), half)), rng.normal(scale=2.0, size=(len(y), half))], 1)
+    x = mu[y][:, None] + chan[:, None] + rng.normal(size=(len(y), FRAMES, FEAT))
+    return torch.tensor(x, dtype=torch.float32), torch.from_numpy(y)
+
+
+def public_store(n_speakers: int = 20, seed: int = 3):
+    x, y = toy_chunks(n_speakers, 2, seed)
+    feats = {f"u{i:03d}": x[i].numpy() for i in range(len(x))}
+    spk = {f"u{i:03d}": f"pub{int(y[i]):03d}" for i in range(len(x))}
+    return public_store_from_features(feats, spk, chunks_per_speaker=2, chunk_frames=FRAMES)
+
+
+def one_speaker_population(n_speakers: int = 40, seed: int = 1):
+    x, y = toy_chunks(n_speakers, CHUNKS, seed)
+    rows = [np.arange(i * CHUNKS, (i + 1) * CHUNKS) for i in range(n_speakers)]
+    return speaker_population({"x": x, "y": y}, rows, seed=0)
+
+
+def make_task(negatives: str = "public", seed: int = 0, **kw) -> SpeakerReconTask:
+    torch.manual_seed(seed)
+    kw.setdefault("scale", 10.0)
+    kw.setdefault("margin", 0.0)
+    return SpeakerReconTask(TinyExtractor(), negatives=negatives, **kw)
+
+
+def simulator(task, pop, algorithm, update=None, lr=0.03, concurrency=10, **kw) -> Simulator:
+    return Simulator(
+        task,
+        pop,
+        algorithm,
+        ClientConfig(batch_size=2, lr=lr),
+        SimulatorConfig(concurrency=concurrency, seed=0),
+        client_update=update,
+        **kw,
+    )
+
+
+class SpySummer:
+    """plain_sum that keeps what the server would see."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, torch.Tensor]] = []
+
+    def __call__(self, deltas, weights):
+        self.seen.append({n: t.clone() for n, t in deltas.items()})
+        return plain_sum(deltas, weights)
+
+
+# -- locality ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedbuff"])
+def test_aggregator_never_sees_prototype_or_negatives(algo: str) -> None:
+    pop, public, task = one_speaker_population(12), public_store(), make_task()
+    assert isinstance(task, ReconTask)
+    names = {"extractor." + n for n, _ in task.extractor.named_parameters()}
+    assert set(task.init_params()) == names
+    spy = SpySummer()
+    algorithm = FedAvg(ServerSGD(1.0)) if algo == "fedavg" else FedBuff(3, ServerSGD(1.0))
+    update = make_speaker_recon_update(public, RECON)
+    sim = simulator(task, pop, algorithm, update, concurrency=6, summer=spy)
+    params = sim.run(max_server_steps=4)
+    assert set(params) == names and len(spy.seen) == 4
+    for deltas in spy.seen:
+        assert set(deltas) == names  # no PROTOTYPES, no NEGATIVES
+        assert all(torch.isfinite(t).all() for t in deltas.values())
+    assert sim.bytes_per_trip == 4 * sum(p.numel() for p in task.extractor.parameters())
+    with pytest.raises(ValueError, match=PROTOTYPES):
+        sim.aggregator.accumulate({**spy.seen[0], PROTOTYPES: torch.zeros(1, 1, 16)}, torch.ones(1))
+    with pytest.raises(ValueError, match=NEGATIVES):
+        sim.aggregator.accumulate({**spy.seen[0], NEGATIVES: torch.zeros(1, 20, 16)}, torch.ones(1))
+
+
+def test_negatives_are_the_start_versions_public_prototypes_and_stay_fixed() -> None:
+    pop, public, task = one_speaker_population(6), public_store(), make_task()
+    v0 = task.init_params()
+    v1 = {n: t + 0.05 for n, t in v0.items()}  # a later version (FedBuff: mixed start versions)
+    starts = [v0, v1, v0, v1, v1, v0]
+    jobs, cfg = [(c, 0) for c in range(6)], ClientConfig(batch_size=2, lr=0.03)
+    update = make_speaker_recon_update(public, RECON, cache_size=1)
+    got = update(task, pop, jobs, starts, cfg)
+    sent = {id(v): {**v, NEGATIVES: public_prototypes(task, v, public)} for v in (v0, v1)}
+    assert not torch.equal(sent[id(v0)][NEGATIVES], sent[id(v1)][NEGATIVES])
+    ref = train_clients_recon(task, pop, jobs, [sent[id(v)] for v in starts], cfg, RECON)
+    assert set(got.delta) == set(v0)
+    assert torch.equal(ref.delta.pop(NEGATIVES), torch.zeros(6, 20, 16))  # detached: not trained
+    for n in v0:
+        assert torch.equal(got.delta[n], ref.delta[n])
+    again = update(task, pop, jobs, starts, cfg)  # memoised negatives give the same bits
+    assert all(torch.equal(again.delta[n], got.delta[n]) for n in v0)
+    # the negatives matter: other (wrong) negatives give other updates
+    gen = torch.Generator().manual_seed(1)
+    other = {**v0, NEGATIVES: torch.randn(20, 16, generator=gen)}
+    diff = train_clients_recon(task, pop, jobs, [other] * 6, cfg, RECON)
+    assert not torch.equal(diff.delta["extractor.l1.weight"], ref.delta["extractor.l1.weight"])
+
+
+# -- enrollment -------------------------------------------------------------------------------
+
+
+def test_closed_form_is_normalised_mean_embedding_and_vmaps() -> None:
+    task = make_task(max_local=3)
+    g = task.init_params()
+    x, _ = toy_chunks(2, 5, seed=7)
+    slot = torch.tensor([0, 0, 2, 0, 2, 1, 1, 1, 0, 0])
+    mask = torch.tensor([1, 1, 1, 1, 0, 1, 1, 0, 1, 1], dtype=torch.float32)
+    batches = {"x": x.view(2, 5, FRAMES, FEAT), "slot": slot.view(2, 5)}
+    stacked = vmap(task.closed_form_local, in_dims=(None, 0, 0))(g, batches, mask.view(2, 5))
+    with torch.no_grad():
+        e = F.normalize(task.extractor(x), dim=-1)
+    for c in range(2):
+        for j in range(3):
+            rows = [i for i in range(5 * c, 5 * c + 5) if slot[i] == j and mask[i] == 1]
+            want = F.normalize(e[rows].sum(0), dim=0) if rows else torch.zeros(16)
+            torch.testing.assert_close(stacked[PROTOTYPES][c, j], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(stacked[PROTOTYPES][0, 1], torch.zeros(16))  # client 0: no slot-1 chunk
+
+
+def test_reconstruct_is_enrollment_on_unseen_clients() -> None:
+    pop, task = one_speaker_population(5, seed=9), make_task()
+    params = task.init_params()
+    protos = reconstruct(task, pop, params, RECON, part="all")[PROTOTYPES]
+    with torch.no_grad():
+        e = F.normalize(task.extractor(pop.store["x"]), dim=-1)
+    want = F.normalize(e.view(5, CHUNKS, -1).mean(1), dim=-1)
+    torch.testing.assert_close(protos[:, 0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_loss_at_collapse_is_chance_level_and_positive_only_is_zero() -> None:
+    """The module docstring's argument: a constant extractor gives log(1 + P e^{s(1−cos m)})
+    with public negatives, but 0 (its minimum) for the positive-only loss."""
+    public = public_store(20)
+    batch = {"x": toy_chunks(1, 4, seed=5)[0], "slot": torch.zeros(4, dtype=torch.long)}
+    for margin in (0.0, 0.2):
+        task = make_task(scale=30.0, margin=margin)
+        with torch.no_grad():
+            task.extractor.l2.weight.zero_()  # every input → the bias: total collapse
+        g = task.init_params()
+        local = task.closed_form_local(g, batch, torch.ones(4))
+        per = task.loss({**with_negatives(task, g, public), **local}, batch)
+        want = math.log(1 + 20 * math.exp(30.0 * (1 - math.cos(margin))))
+        # atol: AAM's sin² floor (as heads.AAMSoftmax) shifts cos(θ+m) by ~3e-4·sin m at θ = 0
+        torch.testing.assert_close(per, torch.full((4,), want), rtol=0, atol=3e-3)
+    pos = make_task("none")
+    with torch.no_grad():
+        pos.extractor.l2.weight.zero_()
+    g = pos.init_params()
+    per = pos.loss({**g, **pos.closed_form_local(g, batch, torch.ones(4))}, batch)
+    torch.testing.assert_close(per, torch.zeros(4), rtol=0, atol=1e-6)
+
+
+# -- collapse detection -----------------------------------------------------------------------
+
+
+def _train(negatives: str, rounds: int = 30) -> tuple[dict, dict]:
+    pop, public, task = one_speaker_population(), public_store(), make_task(negatives)
+    unseen_x, unseen_y = toy_chunks(12, CHUNKS, seed=2)
+    sim = simulator(task, pop, FedAvg(ServerSGD(1.0)), make_speaker_recon_update(public, RECON))
+    before = speaker_separation(task, sim.params, unseen_x, unseen_y)
+    after = speaker_separation(task, sim.run(max_server_steps=rounds), unseen_x, unseen_y)
+    return before, after
+
+
+def test_public_negatives_keep_unseen_speakers_apart() -> None:
+    """Margin 0 (make_task): an AAM margin from the first round narrows the cone of all
+    embeddings (spread falls) even though unseen speakers stay separable."""
+    before, after = _train("public")
+    assert after["spread"] >= before["spread"]  # no collapse: prototypes at least as far apart
+    assert after["eer"] < before["eer"] - 0.1
+    assert after["accuracy"] > before["accuracy"] + 0.2
+
+
+def test_positive_only_collapses_and_the_test_sees_it() -> None:
+    before, after = _train("none")
+    assert after["spread"] < 0.3 * before["spread"]
+
+
+# -- cross-silo (several speakers per client) and refusals ------------------------------------
+
+
+@pytest.mark.parametrize("negatives", ["local", "public"])
+def test_several_speakers_per_client(negatives: str) -> None:
+    x, y = toy_chunks(12, 6, seed=4)
+    rows = [np.arange(i * 18, (i + 1) * 18) for i in range(4)]  # 3 speakers per silo
+    pop = speaker_population({"x": x, "y": y}, rows, max_local=3)
+    assert pop.store["slot"][:18].tolist() == [0] * 6 + [1] * 6 + [2] * 6
+    task = make_task(negatives, max_local=3)
+    sim = simulator(
+        task,
+        pop,
+        FedAvg(ServerSGD(1.0)),
+        make_speaker_recon_update(public_store(), RECON),
+        concurrency=4,
+    )
+    params = sim.run(max_server_steps=3)
+    assert set(params) == set(task.init_params())
+    assert all(torch.isfinite(t).all() for t in params.values())
+    assert not torch.equal(params["extractor.l1.weight"], task.init_params()["extractor.l1.weight"])
+
+
+def test_refusals() -> None:
+    x, y = toy_chunks(4, 2, seed=0)
+    with pytest.raises(ConfigError, match="max_local"):
+        speaker_population({"x": x, "y": y}, [np.arange(4), np.arange(4, 8)])
+    with pytest.raises(ConfigError, match="several speakers"):
+        make_task("local")
+    with pytest.raises(ConfigError, match="closed_form"):
+        make_speaker_recon_update(public_store(), ReconConfig(steps=1))
+    task = make_task()
+    g = task.init_params()
+    batch = {"x": x[:2], "slot": torch.zeros(2, dtype=torch.long)}
+    with pytest.raises(ConfigError, match="public negatives"):
+        task.loss({**g, **task.closed_form_local(g, batch, torch.ones(2))}, batch)
+    with pytest.raises(DataError, match="chunks"):
+        public_store_from_features(
+            {"a": np.zeros((5, FEAT))}, {"a": "s"}, chunks_per_speaker=2, chunk_frames=5
+        )
+
+
+def test_public_store_takes_first_chunks_in_order() -> None:
+    feats = {
+        "s1-b": np.full((4, 2), 2.0),  # one chunk, its last frame dropped
+        "s1-a": np.full((2, 2), 1.0),  # shorter than a chunk: tiled
+        "s0-a": np.full((6, 2), 0.0),  # two chunks
+        "s2-a": np.full((6, 2), 3.0),  # beyond n_speakers
+    }
+    store = public_store_from_features(
+        feats, lambda u: u[:2], n_speakers=2, chunks_per_speaker=2, chunk_frames=3
+    )
+    assert store.speakers == ("s0", "s1") and store.x.shape == (4, 3, 2)
+    assert store.y.tolist() == [0, 0, 1, 1]
+    assert store.x[:, :, 0].tolist() == [[0.0] * 3, [0.0] * 3, [1.0] * 3, [2.0] * 3]
+    assert store.broadcast_bytes(256) == 2 * 256 * 4
+
+
+def test_real_xvector_extractor_trains_under_vmap() -> None:
+    torch.manual_seed(0)
+    ext = build_extractor(
+        "xvector-small", FEAT, norm="layer", widths=(16, 16, 16, 16, 32), emb_dim=16
+    )
+    x, y = toy_chunks(6, 4, seed=1)
+    x = x.repeat(1, 2, 1)  # 24 frames: the x-vector consumes 14
+    pop = speaker_population({"x": x, "y": y}, [np.arange(i * 4, (i + 1) * 4) for i in range(6)])
+    px, py = toy_chunks(5, 2, seed=3)
+    public = public_store_from_features(
+        {f"u{i}": px[i].repeat(2, 1).numpy() for i in range(10)},
+        {f"u{i}": str(int(py[i])) for i in range(10)},
+        chunk_frames=24,
+    )
+    task = SpeakerReconTask(ext, scale=10.0, margin=0.0)
+    sim = simulator(
+        task, pop, FedAvg(ServerSGD(1.0)), make_speaker_recon_update(public, RECON), concurrency=3
+    )
+    params = sim.run(max_server_steps=2)
+    assert all(torch.isfinite(t).all() for t in params.values())
+
+
+# -- determinism ------------------------------------------------------------------------------
+
+
+def test_same_seed_same_bits_and_resume_is_bit_identical() -> None:
+    pop, public = one_speaker_population(16), public_store()
+
+    def fresh() -> Simulator:
+        task = make_task(margin=0.1)
+        algorithm = FedBuff(3, ServerSGD(1.0, momentum=0.9))
+        return simulator(
+            task, pop, algorithm, make_speaker_recon_update(public, RECON), concurrency=6
+        )
+
+    a, b = fresh(), fresh()
+    pa, pb = a.run(max_server_steps=6), b.run(max_server_steps=6)
+    c = fresh()
+    c.run(max_server_steps=3)
+    state = c.state_dict()
+    d = fresh()  # a new process: fresh negatives cache, versions as loaded
+    d.load_state_dict(state)
+    pd = d.run(max_server_steps=6)
+    for n in pa:
+        assert torch.equal(pa[n], pb[n]) and torch.equal(pa[n], pd[n])
+
+
+# -- FedAwS -----------------------------------------------------------------------------------
+
+
+def test_spreadout_pushes_close_class_vectors_apart() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = F.normalize(torch.ones(10, 16) + 0.1 * torch.randn(10, 16, generator=gen), dim=-1)
+
+    def min_dist(v: torch.Tensor) -> float:
+        vn = F.normalize(v, dim=-1)
+        d = torch.cdist(vn, vn) + 10 * torch.eye(len(v))
+        return float(d.min())
+
+    new = spreadout(w, nu=1.0, lr=0.1, steps=20)
+    assert min_dist(new) > 2 * min_dist(w)
+    assert float(spreadout_loss(new, 1.0)) < float(spreadout_loss(w, 1.0))
+    assert torch.equal(spreadout(w, 1.0, 0.1, 20), new)  # deterministic
+
+
+@pytest.mark.parametrize("opt", ["sgd-momentum", "adam"])
+def test_fedaws_is_server_optimiser_step_then_spreadout(opt: str) -> None:
+    def make():
+        return ServerSGD(1.0, momentum=0.9) if opt == "sgd-momentum" else ServerAdam(lr=0.01)
+
+    gen = torch.Generator().manual_seed(0)
+    params = {CLASS_VECTORS: torch.randn(6, 4, generator=gen), "b": torch.randn(3, generator=gen)}
+    total = {n: torch.randn(t.shape, generator=gen) for n, t in params.items()}
+    algo, ref = FedAwS(make(), nu=1.5, spread_lr=0.2, spread_steps=3), make()
+    for _ in range(2):  # twice: the optimiser's state carries over as usual
+        new = algo.apply(params, total, 2.0, 2, [params], torch.zeros(2))
+        want = ref.step(params, {n: t / 2.0 for n, t in total.items()})
+        assert torch.equal(new["b"], want["b"])
+        assert torch.equal(new[CLASS_VECTORS], spreadout(want[CLASS_VECTORS], 1.5, 0.2, 3))
+        params = new
+    same = algo.apply(params, total, 0.0, 0, [params], torch.zeros(0))  # nothing aggregated
+    assert all(torch.equal(same[n], params[n]) for n in params)
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "fedbuff"])
+def test_fedaws_simulator_spreads_class_vectors(algo: str) -> None:
+    pop = one_speaker_population(20)
+
+    def run(spread: bool) -> float:
+        torch.manual_seed(0)
+        task = FedAwSTask(TinyExtractor(), 20, seed=0)
+        kw = {"nu": 1.2, "spread_lr": 0.5}
+        if algo == "fedavg":
+            alg = FedAwS(ServerSGD(1.0), **kw) if spread else FedAvg(ServerSGD(1.0))
+        else:
+            alg = FedBuffAwS(5, ServerSGD(1.0), **kw) if spread else FedBuff(5, ServerSGD(1.0))
+        w = F.normalize(
+            simulator(task, pop, alg, lr=0.1).run(max_server_steps=15)[CLASS_VECTORS], dim=-1
+        )
+        return float((torch.cdist(w, w) + 10 * torch.eye(20)).min())
+
+    assert run(spread=True) > run(spread=False) + 0.1
