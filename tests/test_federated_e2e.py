@@ -157,3 +157,29 @@ def test_impossible_settings_refused_before_training(
     assert proc.returncode == 2, proc.stderr
     assert field in proc.stderr and "Traceback" not in proc.stderr
     assert not list((tmp_path / "x").glob("checkpoints/*.pt"))
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "speakers"),
+    [("fedavg", "local"), ("fedbuff", "local"), ("fedavg", "fedaws"), ("fedbuff", "fedaws")],
+)
+def test_local_speakers_and_fedaws_runs(
+    tmp_path: Path, cache: Path, algorithm: str, speakers: str
+) -> None:
+    """Federated Reconstruction (prototypes stay on the device) and FedAwS end to end."""
+    cfg = cfg_file(tmp_path, cache, algorithm, steps=4)
+    extra = f'speakers = "{speakers}"\n'
+    text = cfg.read_text().replace("[federated]\n", "[federated]\n" + extra)
+    text += "[federated.reconstruction]\npublic_speakers = 4\n"
+    cfg.write_text(text)
+    res = runner.invoke(app, ["train", str(cfg), "--out", str(tmp_path / "r"), "-q"])
+    assert res.exit_code == 0, res.output
+    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4] and 0 <= evals[0]["eer"] <= 1
+    trips = [json.loads(x) for x in (tmp_path / "r" / "trips.jsonl").read_text().splitlines()]
+    if speakers == "local":
+        # downloads carry the public negatives as well as the model; uploads only the model
+        assert all(t["bytes_down"] > t["bytes_up"] for t in trips if t["bytes_up"])
+    else:
+        assert all(t["bytes_down"] == t["bytes_up"] for t in trips if t["bytes_up"])

@@ -163,6 +163,20 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "secure_aggregation = true\ndelta = 1e-3\n",
             "",
         ),
+        # Federated Reconstruction (prototypes stay local) under DP-FTRL / Gaussian DP + SecAgg
+        (
+            "fedbuff",
+            'mechanism = "dp_ftrl"\nnoise_multiplier = 0.8\nclip_norm = 0.5\n'
+            "secure_aggregation = true\ndelta = 1e-3\n",
+            'speakers = "local"\n[federated.reconstruction]\npublic_speakers = 4\n',
+        ),
+        (
+            "fedavg",
+            'mechanism = "gaussian"\nnoise_multiplier = 0.8\nclip_norm = 0.5\n'
+            "secure_aggregation = true\ndelta = 1e-3\n",
+            'weighting = "uniform"\nspeakers = "local"\n'
+            "[federated.reconstruction]\npublic_speakers = 4\n",
+        ),
     ],
 )
 def test_dp_and_secagg_runs_end_to_end(

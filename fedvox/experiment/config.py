@@ -192,6 +192,32 @@ class PrivacySection(_Strict):
     )
 
 
+class ReconstructionSection(_Strict):
+    """Speakers as local parameters (`speakers = "local"`, Federated Reconstruction).
+
+    Each device's speaker prototype is enrolled on its support chunks in closed form (the
+    normalised mean embedding) on every trip, refined by `steps` SGD epochs, and never sent;
+    the extractor is trained on the query chunks. Negatives are `public_speakers` synthetic
+    speakers the server holds and embeds with the current extractor (broadcast with it).
+    """
+
+    steps: int = Field(0, ge=0, description="SGD epochs refining the closed-form prototype")
+    lr: float = Field(0.1, gt=0, description="learning rate of those steps")
+    split: Literal["even_odd", "all", "fraction"] = "even_odd"
+    public_speakers: int = Field(100, ge=2, description="public synthetic negatives (P)")
+    public_chunks: int = Field(2, ge=1, description="chunks per public speaker")
+
+
+class FedAwSSection(_Strict):
+    """FedAwS baseline (`speakers = "fedaws"`, Yu et al. 2020): positive-only client loss on
+    the device's own class vector, server-side spreadout on all class vectors."""
+
+    pos_margin: float = Field(0.9, gt=-1, le=1)
+    nu: float = Field(1.2, gt=0, description="spreadout distance ν")
+    spread_lr: float = Field(0.5, gt=0)
+    spread_steps: int = Field(1, ge=1)
+
+
 class FederatedSection(_Strict):
     """Federated training on the virtual clock (fedvox.fl); absent = centralised training.
 
@@ -200,6 +226,12 @@ class FederatedSection(_Strict):
     """
 
     algorithm: Literal["fedavg", "fedbuff", "fedasync"] = "fedavg"
+    speakers: Literal["global_head", "local", "fedaws"] = Field(
+        "global_head",
+        description="global_head: AAM head over all training speakers (the server sees every "
+        "row); local: Federated Reconstruction, prototypes stay on the device; fedaws: "
+        "positive-only rows + server spreadout",
+    )
     server_optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
     server_lr: float = Field(1.0, gt=0)
     server_momentum: float = Field(0.0, ge=0, lt=1)
@@ -225,9 +257,13 @@ class FederatedSection(_Strict):
     checkpoint_every: int = Field(20, ge=1, description="server steps between checkpoints")
     partition: PartitionSection = PartitionSection()
     privacy: PrivacySection = PrivacySection()
+    reconstruction: ReconstructionSection = ReconstructionSection()
+    fedaws: FedAwSSection = FedAwSSection()
 
     @model_validator(mode="after")
     def _check(self) -> FederatedSection:
+        if self.speakers == "fedaws" and self.algorithm == "fedasync":
+            raise ValueError("speakers = fedaws runs with fedavg or fedbuff, not fedasync")
         if self.algorithm == "fedbuff" and self.buffer_size > self.concurrency:
             raise ValueError(
                 f"buffer_size: K={self.buffer_size} > concurrency C={self.concurrency}: the "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,10 +18,11 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
+from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.evaluate import quick_eval
-from fedvox.experiment.prepare import PreparedData
+from fedvox.experiment.prepare import PreparedData, feature_config, synthetic_config
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import (
@@ -32,10 +34,20 @@ from fedvox.fl import (
     make_algorithm,
     make_server_optimizer,
 )
+from fedvox.fl.recon import ReconConfig
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import speaker_losses
 from fedvox.progress import task_progress
+from fedvox.tasks.speakers import (
+    FedAwS,
+    FedAwSTask,
+    FedBuffAwS,
+    SpeakerReconTask,
+    make_speaker_recon_update,
+    public_speaker_store,
+    speaker_population,
+)
 from fedvox.training.centralised import PURPOSE_INIT, set_determinism
 
 PARTITION_FILE = "partition.json"
@@ -91,9 +103,9 @@ class SpeakerTask(nn.Module):
                 p.copy_(params[n])
 
 
-def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> SpeakerTask:
-    """Extractor with batch-independent LayerNorm (vmap over clients cannot carry BatchNorm
-    statistics) unless the config names a norm, plus the global AAM head."""
+def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module:
+    """The extractor with batch-independent LayerNorm (vmap over clients cannot carry
+    BatchNorm statistics) unless the config names a norm; seeded from the run seed."""
     torch.manual_seed(np.random.SeedSequence([cfg.seed, PURPOSE_INIT]).generate_state(1)[0])
     kw = {} if cfg.model.embedding_layer is None else {"embedding_layer": cfg.model.embedding_layer}
     extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **kw)
@@ -103,6 +115,12 @@ def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> Speaker
             "BatchNorm cannot be trained by vectorised federated clients",
             'use model.norm = "layer" (or leave it unset) for federated runs',
         )
+    return extractor
+
+
+def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> SpeakerTask:
+    """Extractor plus the global AAM head over all training speakers."""
+    extractor = build_federated_extractor(cfg, feat_dim)
     emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
     return SpeakerTask(
         extractor, AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
@@ -125,7 +143,7 @@ def partition_config(f: FederatedSection) -> PartitionConfig:
 class FederatedSetup:
     """Everything a federated run is built from; rebuilt identically on resume."""
 
-    task: SpeakerTask
+    task: nn.Module  # SpeakerTask, SpeakerReconTask or FedAwSTask
     simulator: Simulator
     partition: Partition
     privacy: PrivacyPipeline
@@ -147,22 +165,45 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     store, rows = chunk_store(data.train_feats, utts, labels, f.chunk_frames)
     row_of = dict(zip(utts, rows, strict=True))
     clients = [np.concatenate([row_of[u] for u in client]) for client in part.clients]
-    population = Population(store, clients, seed=cfg.seed)
-    task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
     opt_kw = {"lr": f.server_lr}
     if f.server_optimizer == "sgd":
         opt_kw["momentum"] = f.server_momentum
     server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
-    if f.algorithm == "fedavg":
-        algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
-    elif f.algorithm == "fedbuff":
-        algorithm = make_algorithm(
-            "fedbuff",
-            buffer_size=f.buffer_size,
-            server_opt=server_opt,
-            staleness=f.staleness,
-            max_staleness=f.max_staleness,
+    client_update = None
+    extra_bytes_down = 0
+    if f.speakers == "local":
+        task, population, client_update, extra_bytes_down = _local_speakers(
+            cfg, data, store, clients
         )
+    else:
+        population = Population(store, clients, seed=cfg.seed)
+        if f.speakers == "fedaws":
+            task = FedAwSTask(
+                build_federated_extractor(cfg, data.feat_dim),
+                len(data.train_speakers()),
+                pos_margin=f.fedaws.pos_margin,
+                seed=cfg.seed,
+            )
+        else:
+            task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
+    spread = {
+        "nu": f.fedaws.nu,
+        "spread_lr": f.fedaws.spread_lr,
+        "spread_steps": f.fedaws.spread_steps,
+    }
+    if f.algorithm == "fedavg":
+        if f.speakers == "fedaws":
+            algorithm = FedAwS(server_opt, weighting=f.weighting, **spread)
+        else:
+            algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
+    elif f.algorithm == "fedbuff":
+        kw = {"staleness": f.staleness, "max_staleness": f.max_staleness}
+        if f.speakers == "fedaws":
+            algorithm = FedBuffAwS(f.buffer_size, server_opt, **kw, **spread)
+        else:
+            algorithm = make_algorithm(
+                "fedbuff", buffer_size=f.buffer_size, server_opt=server_opt, **kw
+            )
     else:
         algorithm = make_algorithm(
             "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
@@ -186,9 +227,55 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         stages=privacy.stages,
         summer=privacy.summer,
         noise=privacy.noise,
+        client_update=client_update,
+        extra_bytes_down=extra_bytes_down,
     )
     setup.simulator = sim
     return setup
+
+
+def _local_speakers(
+    cfg: ExperimentConfig,
+    data: PreparedData,
+    store: dict[str, Tensor],
+    clients: list[np.ndarray],
+) -> tuple[SpeakerReconTask, Population, object, int]:
+    """Federated Reconstruction of speaker prototypes: task, population with local speaker
+    slots, the client update (closed-form enrollment + public negatives), extra bytes down."""
+    f = cfg.federated
+    assert f is not None
+    r = f.reconstruction
+    y = store["y"].numpy()
+    max_local = max(len(np.unique(y[c])) for c in clients)
+    task = SpeakerReconTask(
+        build_federated_extractor(cfg, data.feat_dim),
+        scale=cfg.model.scale,
+        margin=0.0,
+        max_local=max_local,
+        negatives="public",
+    )
+    population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local)
+    public = public_speaker_store(
+        synthetic_config(cfg.data),
+        feature_config(cfg.features),
+        n_speakers=r.public_speakers,
+        chunks_per_speaker=r.public_chunks,
+        chunk_frames=f.chunk_frames,
+        cache_root=Path(cfg.data.cache_dir) / "corpora",
+        feature_store=FeatureStore(Path(cfg.data.cache_dir) / "features"),
+        workers=cfg.data.workers,
+    )
+    recon = ReconConfig(steps=r.steps, lr=r.lr, split=r.split, closed_form=True)
+    update = make_speaker_recon_update(public, recon)
+    return task, population, update, public.broadcast_bytes(task.emb_dim)
+
+
+def _set_margin(task: nn.Module, margin: float) -> None:
+    """The AAM margin of the schedule, wherever the task keeps it (FedAwS has none)."""
+    if hasattr(task, "set_margin"):
+        task.set_margin(margin)
+    elif hasattr(task, "head") and hasattr(task.head, "set_margin"):
+        task.head.set_margin(margin)
 
 
 def _server_record(r: dict) -> dict:
@@ -223,7 +310,7 @@ def _privacy_record(privacy: PrivacyPipeline, steps: int) -> dict:
 
 def run_federated(
     run: RunFolder, cfg: ExperimentConfig, data: PreparedData, resume: bool, progress: bool
-) -> SpeakerTask:
+) -> nn.Module:
     """Train to cfg.federated.server_steps, evaluating and checkpointing on the way.
 
     Logs go to metrics.jsonl (server steps, evaluations) and trips.jsonl (every client trip).
@@ -255,8 +342,9 @@ def run_federated(
                 (step // f.eval_every + 1) * f.eval_every,
                 (step // f.checkpoint_every + 1) * f.checkpoint_every,
             )
-            task.head.set_margin(
-                margin_schedule(step / f.server_steps, cfg.model.margin, *cfg.model.margin_ramp)
+            _set_margin(
+                task,
+                margin_schedule(step / f.server_steps, cfg.model.margin, *cfg.model.margin_ramp),
             )
             sim.run(max_server_steps=nxt)
             if sim.server_step == step:  # nothing left to happen (e.g. everyone dropped out)

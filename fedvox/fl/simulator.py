@@ -93,6 +93,7 @@ class Simulator:
         client_update: ClientUpdate | None = None,
         summer: Summer | None = None,
         noise: list[NoiseStage] | None = None,
+        extra_bytes_down: int = 0,
     ) -> None:
         _validate(population, algorithm, config)
         self.task = task
@@ -108,6 +109,8 @@ class Simulator:
         self.global_names: list[str] = list(params)
         self.aggregator = Aggregator(stages or [], self.global_names, summer, noise or [])
         self.bytes_per_trip = 4 * sum(params[n].numel() for n in self.global_names)
+        # what a download carries besides the global parameters (e.g. public negatives)
+        self.bytes_down_per_trip = self.bytes_per_trip + int(extra_bytes_down)
         self.examples = population.examples()
         self.mean_examples = float(self.examples.mean())
         self.k = algorithm.updates_per_step(config.concurrency)
@@ -259,7 +262,7 @@ class Simulator:
             dropped = bool(drng.random() < self.config.dropout)
         version = self.server_step
         self.refs[version] = self.refs.get(version, 0) + 1
-        self.counters["bytes_down"] += self.bytes_per_trip
+        self.counters["bytes_down"] += self.bytes_down_per_trip
         self.in_flight[trip_id] = {
             "client": client,
             "trip": trip,
@@ -315,7 +318,7 @@ class Simulator:
             "start_time": trip["start"],
             "start_version": trip["version"],
             "status": status,
-            "bytes_down": self.bytes_per_trip,
+            "bytes_down": self.bytes_down_per_trip,
             "bytes_up": self.bytes_per_trip if status in ("aggregated", "stale") else 0,
         }
         rec.update(kw)
