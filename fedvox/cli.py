@@ -357,6 +357,33 @@ def compare(
 
 
 @app.command()
+def repro(
+    study: Annotated[
+        str, typer.Argument(help="fedrecon-speakers | dp-utility (see docs/studies.md).")
+    ],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Study folder (default runs/<study>).")
+    ] = None,
+    sets: SetOpt = None,
+    arms: Annotated[
+        list[str] | None, typer.Option("--arm", help="Run only these arms (repeatable).")
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """Run a reproduction study: every arm on the same data, budget and seed, then a table
+    (study.md) and plots. Finished arms are reused and interrupted ones resumed, so rerunning
+    the command continues a study. --set applies to every arm (e.g. --set seed=1).
+    """
+    from fedvox.experiment.config import parse_override
+    from fedvox.experiment.repro import run_study
+
+    overrides = dict(parse_override(s) for s in (sets or []))
+    path = run_study(study, out_dir or Path("runs") / study, overrides, arms, not quiet)
+    out.print(path.read_text())
+    out.print(f"written: {path}")
+
+
+@app.command()
 def config(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Write to a file instead of printing.")

@@ -235,6 +235,12 @@ class FederatedSection(_Strict):
     server_optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
     server_lr: float = Field(1.0, gt=0)
     server_momentum: float = Field(0.0, ge=0, lt=1)
+    server_tau: float = Field(
+        1e-3,
+        gt=0,
+        description="adam/yogi/adagrad: adaptivity τ (Reddi et al.); keep it well below the "
+        "size of a pseudo-gradient coordinate (≈ local lr × gradient), else steps shrink by ~τ",
+    )
     concurrency: int = Field(100, ge=1, description="clients training at once (C)")
     buffer_size: int = Field(10, ge=1, description="FedBuff K: updates per server step")
     staleness: Literal["sqrt", "constant", "polynomial", "hinge"] = "sqrt"

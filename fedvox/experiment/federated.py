@@ -168,6 +168,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     opt_kw = {"lr": f.server_lr}
     if f.server_optimizer == "sgd":
         opt_kw["momentum"] = f.server_momentum
+    else:
+        opt_kw["tau"] = f.server_tau
     server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
     client_update = None
     extra_bytes_down = 0
