@@ -215,3 +215,26 @@ def test_impossible_settings_are_refused_naming_the_field(build, field: str) -> 
     with pytest.raises(ConfigError) as err:
         build()
     assert err.value.field == field
+
+
+def test_server_lr_schedule_warms_up_and_decays_by_server_step() -> None:
+    from fedvox.fl.server_opt import ServerSGD, warmup_decay
+
+    sched = warmup_decay(warmup=4, total=14, final_ratio=0.01)
+    assert [sched(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert abs(sched(14) - 0.01) < 1e-12 and abs(sched(9) - 0.1) < 1e-12
+    opt = ServerSGD(2.0)
+    opt.schedule = sched
+    p = {"w": torch.zeros(1)}
+    g = {"w": torch.ones(1)}
+    steps = []
+    for _ in range(5):
+        new = opt.step(p, g)
+        steps.append(float(p["w"] - new["w"]))
+        p = new
+    assert steps == [0.5, 1.0, 1.5, 2.0, 2.0]
+    # resuming: a fresh optimiser with the saved state continues the schedule where it was
+    again = ServerSGD(2.0)
+    again.schedule = sched
+    again.load_state_dict({"step": 2})
+    assert float(again.step({"w": torch.zeros(1)}, g)["w"]) == -1.5

@@ -235,6 +235,14 @@ class FederatedSection(_Strict):
     server_optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"
     server_lr: float = Field(1.0, gt=0)
     server_momentum: float = Field(0.0, ge=0, lt=1)
+    server_warmup_steps: int = Field(
+        0, ge=0, description="server lr warm-up (linear), in server steps"
+    )
+    server_final_lr: float | None = Field(
+        None,
+        gt=0,
+        description="server lr at the last server step (exponential decay); None = constant",
+    )
     server_tau: float = Field(
         1e-3,
         gt=0,

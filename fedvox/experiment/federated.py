@@ -35,6 +35,7 @@ from fedvox.fl import (
     make_server_optimizer,
 )
 from fedvox.fl.recon import ReconConfig
+from fedvox.fl.server_opt import warmup_decay
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import speaker_losses
@@ -171,6 +172,9 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     else:
         opt_kw["tau"] = f.server_tau
     server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
+    if f.server_warmup_steps or f.server_final_lr is not None:
+        final = (f.server_final_lr or f.server_lr) / f.server_lr
+        server_opt.schedule = warmup_decay(f.server_warmup_steps, f.server_steps, final)
     client_update = None
     extra_bytes_down = 0
     if f.speakers == "local":

@@ -6,6 +6,8 @@ used directly as the pseudo-gradient g (SGD with lr 1 and one client gives w_loc
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,15 @@ class ServerOptimizer:
         _positive("server_opt.lr", lr)
         self.lr = float(lr)
         self.state: dict[str, Any] = {"step": 0}
+        # lr multiplier as a function of the server step (warm-up, decay); config, not state
+        self.schedule: Callable[[int], float] | None = None
+
+    @property
+    def step_lr(self) -> float:
+        """The learning rate of the next step: lr × schedule(step)."""
+        if self.schedule is None:
+            return self.lr
+        return self.lr * float(self.schedule(int(self.state["step"])))
 
     def step(self, params: Params, g: Params) -> Params:
         out = self._step(params, g)
@@ -61,12 +72,12 @@ class ServerSGD(ServerOptimizer):
 
     def _step(self, params: Params, g: Params) -> Params:
         if self.momentum == 0:
-            return {n: p - self.lr * g[n] for n, p in params.items()}
+            return {n: p - self.step_lr * g[n] for n, p in params.items()}
         m = self.state.setdefault("m", {})
         out = {}
         for n, p in params.items():
             m[n] = self.momentum * m[n] + g[n] if n in m else g[n].clone()
-            out[n] = p - self.lr * m[n]
+            out[n] = p - self.step_lr * m[n]
         return out
 
 
@@ -96,7 +107,7 @@ class _Adaptive(ServerOptimizer):
             v_prev = v.get(n, torch.full_like(gn, self.tau**2))
             m[n] = self.beta1 * m_prev + (1 - self.beta1) * gn
             v[n] = self._v(v_prev, gn * gn)
-            out[n] = p - self.lr * m[n] / (v[n].sqrt() + self.tau)
+            out[n] = p - self.step_lr * m[n] / (v[n].sqrt() + self.tau)
         return out
 
 
@@ -136,6 +147,19 @@ SERVER_OPTIMIZERS = {
     "yogi": ServerYogi,
     "adagrad": ServerAdagrad,
 }
+
+
+def warmup_decay(warmup: int, total: int, final_ratio: float) -> Callable[[int], float]:
+    """Multiplier: linear warm-up over `warmup` steps, then exponential decay to
+    `final_ratio` at step `total` (the centralised trainer's schedule, in server steps)."""
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = min(1.0, (step - warmup) / max(1, total - warmup))
+        return math.exp(frac * math.log(final_ratio))
+
+    return schedule
 
 
 def make_server_optimizer(name: str, **kwargs: Any) -> ServerOptimizer:
