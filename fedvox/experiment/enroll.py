@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 from torch import nn
 
 from fedvox.atomic import atomic_write_text
@@ -24,6 +25,7 @@ from fedvox.experiment.evaluate import Backend
 from fedvox.experiment.prepare import feature_config
 from fedvox.experiment.runfolder import RunFolder
 from fedvox.experiment.runner import load_model, weights_hash
+from fedvox.tasks.speakers import enrollment_prototypes
 
 PROFILE_VERSION = 1
 
@@ -91,8 +93,10 @@ def enroll(run_path: Path, wavs: list[Path], speaker: str) -> Profile:
     run = RunFolder.open(run_path)
     extractor, cfg = load_model(run)
     backend = Backend.load(run.path / "backend")
-    emb = length_normalize(embed_wavs(extractor, cfg, wavs) - backend.mean)
-    vector = length_normalize(emb.mean(axis=0, keepdims=True))[0]
+    # Enrollment is Federated Reconstruction's closed form (speakers as local parameters):
+    # the normalised mean of the normalised embeddings, after the scoring mean is removed.
+    emb = torch.from_numpy(embed_wavs(extractor, cfg, wavs) - backend.mean).float()
+    vector = enrollment_prototypes(emb, torch.ones(len(emb), 1))[0].double().numpy()
     return Profile(speaker, vector, len(wavs), str(run.path.resolve()), weights_hash(extractor))
 
 

@@ -280,6 +280,13 @@ def speaker_population(
 # -- speaker reconstruction -------------------------------------------------------------------
 
 
+def enrollment_prototypes(embeddings: Tensor, weights: Tensor) -> Tensor:
+    """The closed-form reconstruction of speaker prototypes [S, D]: for each of S speakers the
+    normalised weighted mean of its length-normalised embeddings [n, D] (weights [n, S], 0/1
+    membership × mask). Used on devices during training and by `fedvox enroll`."""
+    return F.normalize(weights.transpose(0, 1) @ F.normalize(embeddings, dim=-1), dim=-1)
+
+
 class SpeakerReconTask(_Margin, nn.Module):
     """fl.recon.ReconTask: extractor global, speaker prototypes local (one per local slot).
 
@@ -349,8 +356,7 @@ class SpeakerReconTask(_Margin, nn.Module):
         the support chunks in slot j (masked sums: vmappable; an empty slot stays 0)."""
         e = F.normalize(self.embed(global_params, batch["x"]), dim=-1)
         onehot = (batch["slot"].unsqueeze(-1) == torch.arange(self.max_local)).to(e.dtype)
-        sums = (onehot * mask.to(e.dtype).unsqueeze(-1)).transpose(0, 1) @ e
-        return {PROTOTYPES: F.normalize(sums, dim=-1)}
+        return {PROTOTYPES: enrollment_prototypes(e, onehot * mask.to(e.dtype).unsqueeze(-1))}
 
     def public_prototypes(self, params: Mapping[str, Tensor], store: PublicStore) -> Tensor:
         return public_prototypes(self, params, store)
