@@ -52,7 +52,7 @@ def test_arm_configs_share_the_base_and_differ_only_by_the_arm() -> None:
     assert cfgs["centralised"].federated is None
     fed = [c for n, c in cfgs.items() if n != "centralised"]
     assert {c.federated.speakers for c in fed} == {"global_head", "fedaws", "local"}
-    assert {c.federated.server_steps for c in fed} == {300} and {c.seed for c in fed} == {3}
+    assert {c.federated.server_steps for c in fed} == {200} and {c.seed for c in fed} == {3}
     with pytest.raises(ConfigError):
         arm_config(study, study.arms[1], {"federated.concurrency": 0})
 
