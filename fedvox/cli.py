@@ -47,6 +47,7 @@ def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
         load_config,
         parse_override,
         set_dotted,
+        strip_none,
     )
 
     overrides = dict(parse_override(s) for s in (sets or []))
@@ -56,16 +57,10 @@ def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
         d = ExperimentConfig().to_dict()
         for k, v in overrides.items():
             set_dotted(d, k, v)
-        cfg = config_from_dict(_strip_none(d), source="defaults + --set")
+        cfg = config_from_dict(strip_none(d), source="defaults + --set")
     if name is not None and path is None:
         cfg = cfg.model_copy(update={"name": name})
     return cfg
-
-
-def _strip_none(x):
-    if isinstance(x, dict):
-        return {k: _strip_none(v) for k, v in x.items() if v is not None}
-    return x
 
 
 def _free_run_dir(base: Path) -> Path:
@@ -381,6 +376,46 @@ def repro(
     path = run_study(study, out_dir or Path("runs") / study, overrides, arms, not quiet)
     out.print(path.read_text())
     out.print(f"written: {path}")
+
+
+@app.command()
+def reconeval(
+    run: Annotated[Path, typer.Argument(help="Finished run folder (any `speakers` mode).")],
+    steps: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--steps", help="Reconstruction SGD epochs to compare (repeatable; default 0 1 5)."
+        ),
+    ] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Learning rate of those epochs (default: reconstruction.lr)."),
+    ] = None,
+    quiet: QuietOpt = False,
+) -> None:
+    """RECONEVAL on the held-out speakers: each is a device that enrolls its prototype on half
+    its utterances (closed form, then k SGD epochs against public negatives) and is scored on
+    the other half. Writes reconeval.json and reconeval.md into the run folder."""
+    from fedvox.experiment.reconeval import recon_eval_speakers
+
+    res = recon_eval_speakers(run, tuple(steps) if steps else (0, 1, 5), lr, progress=not quiet)
+    t = Table(
+        title=f"{run}: {res['n_speakers']} unseen speakers, lr {res['lr']:g}, "
+        f"{res['public_speakers']} public negatives"
+    )
+    for col in ("steps", "EER", "minDCF p=0.01", "spread", "target", "nontarget"):
+        t.add_column(col)
+    for r in res["results"]:
+        t.add_row(
+            str(r["steps"]),
+            f"{100 * r['eer']:.2f}%",
+            f"{r['min_dcf_01']:.3f}",
+            f"{r['spread']:.4f}",
+            str(r["n_target"]),
+            str(r["n_nontarget"]),
+        )
+    out.print(t)
+    out.print(f"written: {Path(run) / 'reconeval.json'}, {Path(run) / 'reconeval.md'}")
 
 
 @app.command()

@@ -355,6 +355,15 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ex
     return config_from_dict(d, source=str(path))
 
 
+def strip_none(x: Any) -> Any:
+    """A config dict without None values (TOML has no null; absent = the default)."""
+    if isinstance(x, dict):
+        return {k: strip_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [strip_none(v) for v in x]
+    return x
+
+
 def set_dotted(d: dict[str, Any], key: str, value: Any) -> None:
     """Set d["a"]["b"] = value for key "a.b", creating tables on the way."""
     parts = key.split(".")
@@ -382,12 +391,5 @@ def parse_override(text: str) -> tuple[str, Any]:
 def dump_toml(cfg: ExperimentConfig) -> str:
     """The resolved config as TOML text (None fields omitted: TOML has no null)."""
     import tomli_w
-
-    def strip_none(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {k: strip_none(v) for k, v in x.items() if v is not None}
-        if isinstance(x, list):
-            return [strip_none(v) for v in x]
-        return x
 
     return tomli_w.dumps(strip_none(cfg.to_dict()))

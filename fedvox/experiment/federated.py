@@ -50,20 +50,10 @@ from fedvox.tasks.speakers import (
     speaker_population,
 )
 from fedvox.training.centralised import PURPOSE_INIT, set_determinism
+from fedvox.training.chunks import fixed_chunks
 
 PARTITION_FILE = "partition.json"
 TRIPS_FILE = "trips.jsonl"
-
-
-def fixed_chunks(feats: np.ndarray, length: int) -> np.ndarray:
-    """Non-overlapping `length`-frame chunks of one utterance [n, length, dim] (at least one;
-    a short utterance is tiled)."""
-    n = feats.shape[0]
-    if n < length:
-        reps = -(-length // n)
-        return np.tile(feats, (reps, 1))[None, :length]
-    k = n // length
-    return feats[: k * length].reshape(k, length, feats.shape[1])
 
 
 def chunk_store(

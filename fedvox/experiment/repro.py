@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 
 from fedvox.atomic import atomic_write, atomic_write_text
 from fedvox.errors import ConfigError
-from fedvox.experiment.config import ExperimentConfig, config_from_dict, set_dotted
+from fedvox.experiment.config import ExperimentConfig, config_from_dict, set_dotted, strip_none
 
 RESULT = "metrics.json"
 
@@ -173,13 +173,7 @@ def arm_config(study: Study, arm: Arm, sets: dict[str, Any]) -> ExperimentConfig
         if arm.centralised and key.startswith("federated."):
             continue
         set_dotted(d, key, copy.deepcopy(value))
-    return config_from_dict(_strip_none(d), source=f"study {study.name}, arm {arm.name}")
-
-
-def _strip_none(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _strip_none(v) for k, v in x.items() if v is not None}
-    return x
+    return config_from_dict(strip_none(d), source=f"study {study.name}, arm {arm.name}")
 
 
 def run_arm(cfg: ExperimentConfig, folder: Path, progress: bool) -> Path:

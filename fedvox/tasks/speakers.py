@@ -53,6 +53,7 @@ from fedvox.fl.client import ClientConfig, ClientResults
 from fedvox.fl.population import Population
 from fedvox.fl.recon import ReconConfig, train_clients_recon
 from fedvox.fl.server_opt import ServerOptimizer
+from fedvox.training.chunks import fixed_chunks
 
 Params = dict[str, Tensor]
 Batch = dict[str, Tensor]
@@ -129,16 +130,6 @@ class PublicStore:
         return 4 * self.n_speakers * emb_dim
 
 
-def _fixed_chunks(feats: np.ndarray, length: int) -> np.ndarray:
-    """Non-overlapping `length`-frame chunks [n, length, dim] (a short utterance is tiled),
-    as experiment.federated.fixed_chunks builds the training population."""
-    n = feats.shape[0]
-    if n < length:
-        return np.tile(feats, (-(-length // n), 1))[None, :length]
-    k = n // length
-    return feats[: k * length].reshape(k, length, feats.shape[1])
-
-
 def public_store_from_features(
     feats: Mapping[str, np.ndarray],
     speaker_of: Mapping[str, str] | Callable[[str], str],
@@ -171,7 +162,7 @@ def public_store_from_features(
         )
     xs, ys = [], []
     for i, s in enumerate(speakers):
-        chunks = np.concatenate([_fixed_chunks(feats[u], chunk_frames) for u in by_speaker[s]])
+        chunks = np.concatenate([fixed_chunks(feats[u], chunk_frames) for u in by_speaker[s]])
         if len(chunks) < chunks_per_speaker:
             raise DataError(
                 None,

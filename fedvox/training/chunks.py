@@ -79,3 +79,14 @@ class ChunkSampler:
         length = int(self.rng.integers(self.lo, self.hi + 1))
         x = np.stack([crop(self.feats[i], length, self.rng) for i in idx]).astype(np.float32)
         return x, self.labels[idx]
+
+
+def fixed_chunks(feats: np.ndarray, length: int) -> np.ndarray:
+    """Non-overlapping `length`-frame chunks of one utterance [n, length, dim] (at least one;
+    a short utterance is tiled)."""
+    n = feats.shape[0]
+    if n < length:
+        reps = -(-length // n)
+        return np.tile(feats, (reps, 1))[None, :length]
+    k = n // length
+    return feats[: k * length].reshape(k, length, feats.shape[1])

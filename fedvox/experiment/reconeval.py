@@ -1,0 +1,393 @@
+"""RECONEVAL on unseen speakers: a trained run's extractor, prototypes reconstructed per device.
+
+Run folder → test features → fixed chunks → one client per held-out speaker (support/query by
+utterance) → prototype (closed form, then k SGD epochs against public negatives) → cosine EER.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedvox.atomic import atomic_write_text
+from fedvox.data.store import FeatureStore
+from fedvox.errors import ConfigError, DataError
+from fedvox.eval.metrics import evaluate_scores
+from fedvox.experiment.config import ExperimentConfig, FederatedSection
+from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
+from fedvox.experiment.runfolder import RunFolder
+from fedvox.experiment.runner import load_model
+from fedvox.tasks.speakers import (
+    NEGATIVES,
+    PROTOTYPES,
+    PublicStore,
+    SpeakerReconTask,
+    enrollment_prototypes,
+    public_prototypes,
+    public_speaker_store,
+)
+from fedvox.training.centralised import set_determinism
+from fedvox.training.chunks import fixed_chunks
+
+JSON_FILE = "reconeval.json"
+MD_FILE = "reconeval.md"
+EMBED_BATCH = 256  # chunks per extractor call (fixed, so the bits do not depend on memory)
+QUERY_EMBEDDING = "chunk_mean"  # query utterance = normalised mean of normalised chunk embs
+
+
+@dataclass(frozen=True)
+class UnseenSplit:
+    """Held-out speakers as clients: speaker i's support and query utterance ids (sorted)."""
+
+    speakers: tuple[str, ...]
+    support: tuple[tuple[str, ...], ...]
+    query: tuple[tuple[str, ...], ...]
+
+
+def split_unseen(utts: Sequence[str], speaker_of: Callable[[str], str]) -> UnseenSplit:
+    """One client per speaker; its utterances in id order, even positions → support, odd →
+    query. Needs >= 2 speakers with >= 2 utterances each (else nothing to score)."""
+    by_speaker: dict[str, list[str]] = {}
+    for u in sorted(utts):
+        by_speaker.setdefault(speaker_of(u), []).append(u)
+    speakers = sorted(by_speaker)
+    few = [s for s in speakers if len(by_speaker[s]) < 2]
+    if few:
+        raise DataError(
+            None,
+            f"test speaker(s) {', '.join(few[:3])} have a single utterance: no support/query split",
+            "give every test speaker at least 2 utterances",
+        )
+    if len(speakers) < 2:
+        raise DataError(None, f"{len(speakers)} test speaker(s)", "give at least 2 test speakers")
+    return UnseenSplit(
+        tuple(speakers),
+        tuple(tuple(by_speaker[s][0::2]) for s in speakers),
+        tuple(tuple(by_speaker[s][1::2]) for s in speakers),
+    )
+
+
+def chunk_embeddings(
+    extractor: nn.Module,
+    feats: Mapping[str, np.ndarray],
+    utts: Sequence[str],
+    chunk_frames: int,
+    batch: int = EMBED_BATCH,
+) -> tuple[Tensor, Tensor]:
+    """Raw embeddings [N, D] of the fixed chunks of `utts` (in order) and each chunk's index
+    into `utts` [N]. Streams the chunks, so a large test set never sits in memory as a store."""
+    embs: list[Tensor] = []
+    owners: list[np.ndarray] = []
+    pending: list[np.ndarray] = []
+    n_pending = 0
+
+    def flush() -> None:
+        nonlocal pending, n_pending
+        if pending:
+            x = torch.from_numpy(np.ascontiguousarray(np.concatenate(pending), dtype=np.float32))
+            for i in range(0, len(x), batch):
+                embs.append(extractor(x[i : i + batch]))
+        pending, n_pending = [], 0
+
+    with torch.no_grad():
+        for j, u in enumerate(utts):
+            c = fixed_chunks(feats[u], chunk_frames)
+            pending.append(c)
+            owners.append(np.full(len(c), j, dtype=np.int64))
+            n_pending += len(c)
+            if n_pending >= batch:
+                flush()
+        flush()
+    return torch.cat(embs), torch.from_numpy(np.concatenate(owners))
+
+
+def pooled(emb: Tensor, owner: Tensor, n: int) -> Tensor:
+    """[n, D]: per owner, the normalised mean of its normalised embeddings."""
+    e = F.normalize(emb, dim=-1)
+    return F.normalize(torch.zeros(n, e.shape[1], dtype=e.dtype).index_add_(0, owner, e), dim=-1)
+
+
+class _Identity(nn.Module):
+    """Stands in for the frozen extractor: batches already hold its embeddings."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+def _embedding_task(dim: int, scale: float, margin: float) -> SpeakerReconTask:
+    return SpeakerReconTask(_Identity(), scale=scale, margin=margin, emb_dim=dim)
+
+
+def support_loss(
+    prototypes: Tensor,
+    support: Tensor,
+    label: Tensor,
+    negatives: Tensor,
+    scale: float = 30.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """[S]: each speaker's mean SpeakerReconTask loss over all its support chunks, the
+    objective the SGD epochs descend (it rises when their lr overshoots)."""
+    task = _embedding_task(support.shape[1], scale, margin)
+    out = torch.empty(len(prototypes))
+    with torch.no_grad():
+        for s in range(len(prototypes)):
+            e = support[label == s]
+            b = {"x": e, "slot": torch.zeros(len(e), dtype=torch.long)}
+            out[s] = task.loss({PROTOTYPES: prototypes[s : s + 1], NEGATIVES: negatives}, b).mean()
+    return out
+
+
+def refine_prototypes(
+    prototypes: Tensor,
+    support: Tensor,
+    label: Tensor,
+    negatives: Tensor,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    scale: float = 30.0,
+    margin: float = 0.0,
+) -> Tensor:
+    """`steps` SGD epochs per speaker on its prototype alone (the device's reconstruction).
+
+    prototypes [S, D] (closed form), support [N, D] embeddings with speaker `label` [N],
+    negatives [P, D] public prototypes. Each epoch walks speaker s's support chunks in order,
+    batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss (as
+    fl.recon's client). The extractor is frozen, so its embeddings are computed once and the
+    task wraps an identity map: the same loss code, none of the extractor's cost.
+    """
+    if steps == 0:
+        return prototypes.clone()
+    task = _embedding_task(support.shape[1], scale, margin)
+    out = prototypes.clone()
+    neg = negatives.detach()
+    for s in range(len(prototypes)):
+        e = support[label == s].detach()
+        p = prototypes[s : s + 1].clone()
+        for _ in range(steps):
+            for i in range(0, len(e), batch_size):
+                x = e[i : i + batch_size]
+                q = p.requires_grad_(True)
+                b = {"x": x, "slot": torch.zeros(len(x), dtype=torch.long)}
+                loss = task.loss({PROTOTYPES: q, NEGATIVES: neg}, b).mean()
+                (g,) = torch.autograd.grad(loss, q)
+                p = (q - lr * g).detach()
+        out[s] = p[0]
+    return out
+
+
+def score_prototypes(
+    prototypes: Tensor, query: Tensor, query_label: Tensor
+) -> dict[str, float | int]:
+    """Cosine-score every (query utterance, prototype) pair: EER, minDCF(0.01), spread
+    (mean pairwise 1 − cos between prototypes), accuracy (closest prototype is the own)."""
+    p = F.normalize(prototypes, dim=-1)
+    scores = F.normalize(query, dim=-1) @ p.T  # [Q, S]
+    is_tgt = query_label.unsqueeze(1) == torch.arange(len(p))
+    m = evaluate_scores(scores.flatten().numpy(), is_tgt.flatten().numpy())
+    off = ~torch.eye(len(p), dtype=torch.bool)
+    return {
+        "eer": m.eer,
+        "min_dcf_01": m.min_dcf_01,
+        "spread": float((1.0 - p @ p.T)[off].mean()),
+        "accuracy": float((scores.argmax(1) == query_label).float().mean()),
+        "n_target": m.n_target,
+        "n_nontarget": m.n_nontarget,
+    }
+
+
+@dataclass
+class ReconEvalInputs:
+    """What every k of the ablation shares: the embeddings (the extractor is frozen)."""
+
+    cfg: ExperimentConfig
+    extractor: nn.Module
+    split: UnseenSplit
+    chunk_frames: int
+    support: Tensor  # [N, D] raw support chunk embeddings
+    support_label: Tensor  # [N] speaker index
+    query: Tensor  # [Q, D] query utterance embeddings (QUERY_EMBEDDING)
+    query_label: Tensor  # [Q]
+
+    def federated(self) -> FederatedSection:
+        """The run's [federated] table, or its defaults for a centralised run."""
+        return self.cfg.federated if self.cfg.federated is not None else FederatedSection()
+
+    def closed_form(self) -> Tensor:
+        """Enrollment prototypes [S, D] on the support chunks (as on a device)."""
+        onehot = (self.support_label.unsqueeze(1) == torch.arange(len(self.split.speakers))).to(
+            self.support.dtype
+        )
+        return enrollment_prototypes(self.support, onehot)
+
+
+def load_inputs(run_path: Path, progress: bool = False) -> ReconEvalInputs:
+    """A finished run's extractor and its test speakers' embeddings, split per speaker."""
+    run = RunFolder.open(run_path)
+    extractor, cfg = load_model(run)
+    set_determinism(cfg.train.threads)
+    data = prepare(cfg, progress=progress)
+    chunk_frames = (cfg.federated or FederatedSection()).chunk_frames
+    split = split_unseen(list(data.test_feats), data.test_corpus.speaker_of)
+    sup_utts = [u for us in split.support for u in us]
+    sup_spk = np.concatenate([np.full(len(us), i) for i, us in enumerate(split.support)])
+    qry_utts = [u for us in split.query for u in us]
+    qry_spk = np.concatenate([np.full(len(us), i) for i, us in enumerate(split.query)])
+    s_emb, s_owner = chunk_embeddings(extractor, data.test_feats, sup_utts, chunk_frames)
+    q_emb, q_owner = chunk_embeddings(extractor, data.test_feats, qry_utts, chunk_frames)
+    return ReconEvalInputs(
+        cfg,
+        extractor,
+        split,
+        chunk_frames,
+        s_emb,
+        torch.from_numpy(sup_spk[s_owner.numpy()]),
+        pooled(q_emb, q_owner, len(qry_utts)),
+        torch.from_numpy(qry_spk),
+    )
+
+
+def public_store(cfg: ExperimentConfig, workers: int | None = None) -> PublicStore:
+    """The public negatives' chunks, built exactly as federated._local_speakers builds them
+    (ReconstructionSection defaults and 200-frame chunks for a run without [federated])."""
+    f = cfg.federated if cfg.federated is not None else FederatedSection()
+    r = f.reconstruction
+    cache = Path(cfg.data.cache_dir)
+    return public_speaker_store(
+        synthetic_config(cfg.data),
+        feature_config(cfg.features),
+        n_speakers=r.public_speakers,
+        chunks_per_speaker=r.public_chunks,
+        chunk_frames=f.chunk_frames,
+        cache_root=cache / "corpora",
+        feature_store=FeatureStore(cache / "features"),
+        workers=cfg.data.workers if workers is None else workers,
+    )
+
+
+def public_negatives(inputs: ReconEvalInputs, store: PublicStore) -> Tensor:
+    """[P, D] public prototypes under the run's extractor (what the server broadcasts)."""
+    task = SpeakerReconTask(
+        inputs.extractor, scale=inputs.cfg.model.scale, margin=0.0, emb_dim=inputs.support.shape[1]
+    )
+    return public_prototypes(task, task.init_params(), store)
+
+
+def recon_eval_speakers(
+    run_path: Path,
+    steps: Sequence[int] = (0, 1, 5),
+    lr: float | None = None,
+    progress: bool = False,
+) -> dict:
+    """RECONEVAL of a finished run on its held-out test speakers, one row per k in `steps`.
+
+    Per speaker: prototype = closed form on the support utterances' chunks, then k SGD epochs
+    (lr = `lr` or reconstruction.lr, batches of local_batch_size, margin = model.margin, the
+    device's at the end of training) against the public negatives; the extractor is frozen.
+    Scores every (query utterance, prototype) pair by cosine. Writes reconeval.json (this
+    result) and appends a section to reconeval.md in the run folder; returns the result.
+    """
+    steps = list(dict.fromkeys(int(k) for k in steps))
+    if not steps or min(steps) < 0:
+        raise ConfigError("steps", f"need reconstruction epochs >= 0, got {steps}", "e.g. 0 1 5")
+    t0 = time.perf_counter()
+    inputs = load_inputs(Path(run_path), progress=progress)
+    f = inputs.federated()
+    rate = f.reconstruction.lr if lr is None else float(lr)
+    if not rate > 0:
+        raise ConfigError("lr", f"must be > 0, got {rate}", "use e.g. 0.1")
+    base = inputs.closed_form()
+    negatives = None
+    n_public = 0
+    if max(steps) > 0:
+        store = public_store(inputs.cfg)
+        negatives = public_negatives(inputs, store)
+        n_public = store.n_speakers
+    rows = []
+    for k in steps:
+        protos = base
+        if k > 0:
+            assert negatives is not None
+            protos = refine_prototypes(
+                base,
+                inputs.support,
+                inputs.support_label,
+                negatives,
+                k,
+                rate,
+                f.local_batch_size,
+                inputs.cfg.model.scale,
+                inputs.cfg.model.margin,
+            )
+        row = {"steps": k, **score_prototypes(protos, inputs.query, inputs.query_label)}
+        if negatives is not None:
+            loss = support_loss(
+                protos,
+                inputs.support,
+                inputs.support_label,
+                negatives,
+                inputs.cfg.model.scale,
+                inputs.cfg.model.margin,
+            )
+            row["support_loss"] = float(loss.mean())
+        rows.append(row)
+    result = {
+        "run": str(run_path),
+        "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
+        "query_embedding": QUERY_EMBEDDING,
+        "split": "by utterance: even positions (sorted ids) support, odd query",
+        "lr": rate,
+        "batch_size": f.local_batch_size,
+        "margin": inputs.cfg.model.margin,
+        "scale": inputs.cfg.model.scale,
+        "chunk_frames": inputs.chunk_frames,
+        "public_speakers": n_public,
+        "n_speakers": len(inputs.split.speakers),
+        "n_support_utts": sum(len(u) for u in inputs.split.support),
+        "n_query_utts": sum(len(u) for u in inputs.split.query),
+        "n_support_chunks": len(inputs.support),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "results": rows,
+    }
+    folder = Path(run_path)
+    atomic_write_text(folder / JSON_FILE, json.dumps(result, indent=2) + "\n")
+    md = folder / MD_FILE
+    old = md.read_text() if md.is_file() else "# RECONEVAL on unseen speakers\n"
+    atomic_write_text(md, old.rstrip("\n") + "\n\n" + markdown_table(result))
+    return result
+
+
+def markdown_table(result: Mapping) -> str:
+    """One section: the settings line and a row per k (EER, minDCF, spread, pairs)."""
+    lines = [
+        f"## steps {', '.join(str(r['steps']) for r in result['results'])}, "
+        f"lr {result['lr']:g}, {result['public_speakers']} public negatives",
+        "",
+        f"{result['n_speakers']} unseen speakers, {result['n_support_utts']} support / "
+        f"{result['n_query_utts']} query utterances, {result['chunk_frames']}-frame chunks, "
+        f"query = {result['query_embedding']}, margin {result['margin']:g}, "
+        f"batch {result['batch_size']}.",
+        "",
+        "| steps | EER | minDCF p=0.01 | spread | accuracy | support loss | target | nontarget |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["results"]:
+        lines.append(
+            f"| {r['steps']} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} | "
+            f"{r['spread']:.4f} | {r['accuracy']:.3f} | {_fmt(r.get('support_loss'))} | "
+            f"{r['n_target']} | {r['n_nontarget']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.4f}"
