@@ -161,7 +161,13 @@ def test_impossible_settings_refused_before_training(
 
 @pytest.mark.parametrize(
     ("algorithm", "speakers"),
-    [("fedavg", "local"), ("fedbuff", "local"), ("fedavg", "fedaws"), ("fedbuff", "fedaws")],
+    [
+        ("fedavg", "local"),
+        ("fedbuff", "local"),
+        ("fedavg", "fedaws"),
+        ("fedbuff", "fedaws"),
+        ("fedbuff", "codewords"),
+    ],
 )
 def test_local_speakers_and_fedaws_runs(
     tmp_path: Path, cache: Path, algorithm: str, speakers: str
@@ -183,3 +189,24 @@ def test_local_speakers_and_fedaws_runs(
         assert all(t["bytes_down"] > t["bytes_up"] for t in trips if t["bytes_up"])
     else:
         assert all(t["bytes_down"] == t["bytes_up"] for t in trips if t["bytes_up"])
+
+
+def test_codeword_rows_are_fixed_and_never_global() -> None:
+    import torch
+
+    from fedvox.experiment.config import ExperimentConfig
+    from fedvox.experiment.federated import build_task
+
+    cfg = ExperimentConfig.model_validate({"federated": {"speakers": "codewords"}})
+    task = build_task(cfg, feat_dim=30, n_speakers=6)
+    task.fix_head(7)
+    rows = task.head.weight.detach().clone()
+    assert torch.allclose(rows.norm(dim=1), torch.ones(6))
+    params = task.init_params()
+    assert "head.weight" not in params and all(n.startswith("extractor.") for n in params)
+    batch = {"x": torch.randn(4, 60, 30), "y": torch.tensor([0, 1, 2, 3])}
+    grads = torch.func.grad(lambda p: task.loss(p, batch).mean())(params)
+    assert set(grads) == set(params)  # only the extractor is trained
+    again = build_task(cfg, feat_dim=30, n_speakers=6)
+    again.fix_head(7)
+    assert torch.equal(again.head.weight, rows)  # any device can regenerate its row

@@ -226,10 +226,11 @@ class FederatedSection(_Strict):
     """
 
     algorithm: Literal["fedavg", "fedbuff", "fedasync"] = "fedavg"
-    speakers: Literal["global_head", "local", "fedaws"] = Field(
+    speakers: Literal["global_head", "codewords", "local", "fedaws"] = Field(
         "global_head",
         description="global_head: AAM head over all training speakers (the server sees every "
-        "row); local: Federated Reconstruction, prototypes stay on the device; fedaws: "
+        "row); codewords: the head rows are fixed random codewords (FedUV-style, not trained, "
+        "not sent); local: Federated Reconstruction, prototypes stay on the device; fedaws: "
         "positive-only rows + server spreadout",
     )
     server_optimizer: Literal["sgd", "adam", "yogi", "adagrad"] = "sgd"

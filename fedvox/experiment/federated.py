@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -53,6 +54,7 @@ from fedvox.training.centralised import PURPOSE_INIT, set_determinism
 from fedvox.training.chunks import fixed_chunks
 
 PARTITION_FILE = "partition.json"
+PURPOSE_CODEWORDS = 0xC0DE
 TRIPS_FILE = "trips.jsonl"
 
 
@@ -83,7 +85,8 @@ class SpeakerTask(nn.Module):
         return speaker_losses(self.extractor, self.head, x, y)
 
     def init_params(self) -> dict[str, Tensor]:
-        return {n: p.detach().clone() for n, p in self.named_parameters()}
+        """The trained (global) parameters; fixed codeword rows are not among them."""
+        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
 
     def loss(self, params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         return functional_call(self, params, (batch["x"], batch["y"]))
@@ -91,7 +94,23 @@ class SpeakerTask(nn.Module):
     def load_params(self, params: dict[str, Tensor]) -> None:
         with torch.no_grad():
             for n, p in self.named_parameters():
-                p.copy_(params[n])
+                if n in params:
+                    p.copy_(params[n])
+
+    def fix_head(self, seed: int) -> None:
+        """FedUV-style codewords: the head rows become fixed random unit vectors (from the
+        seed, so any device can regenerate its own row), never trained, never sent.
+
+        A learned head with one speaker per device drifts: a row gets a pull only when its
+        device is in the step and a push from every other step, and with 10 devices per
+        step the rows moved away from all speakers (measured: no learning). Fixed rows
+        cannot drift, and carry no voice: the server learns no voiceprint from them.
+        """
+        gen = torch.Generator().manual_seed(int(seed))
+        w = self.head.weight
+        with torch.no_grad():
+            w.copy_(F.normalize(torch.randn(w.shape, generator=gen), dim=-1))
+        w.requires_grad_(False)
 
 
 def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module:
@@ -182,6 +201,10 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
             )
         else:
             task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
+            if f.speakers == "codewords":
+                task.fix_head(
+                    np.random.SeedSequence([cfg.seed, PURPOSE_CODEWORDS]).generate_state(1)[0]
+                )
     spread = {
         "nu": f.fedaws.nu,
         "spread_lr": f.fedaws.spread_lr,
