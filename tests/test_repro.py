@@ -51,7 +51,7 @@ def test_arm_configs_share_the_base_and_differ_only_by_the_arm() -> None:
     cfgs = {a.name: arm_config(study, a, {"seed": 3}) for a in study.arms}
     assert cfgs["centralised"].federated is None
     fed = [c for n, c in cfgs.items() if n != "centralised"]
-    assert {c.federated.speakers for c in fed} == {"global_head", "fedaws", "local"}
+    assert {c.federated.speakers for c in fed} == {"global_head", "codewords", "fedaws", "local"}
     assert {c.federated.server_steps for c in fed} == {200} and {c.seed for c in fed} == {3}
     with pytest.raises(ConfigError):
         arm_config(study, study.arms[1], {"federated.concurrency": 0})

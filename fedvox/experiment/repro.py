@@ -95,6 +95,11 @@ STUDIES: dict[str, Study] = {
                 "the extractor update and every device's speaker row (a voiceprint)",
             ),
             Arm(
+                "fedbuff-codewords",
+                {"federated.speakers": "codewords"},
+                "the extractor update only; head rows are fixed random codewords (no voice)",
+            ),
+            Arm(
                 "fedaws",
                 {"federated.speakers": "fedaws"},
                 "the extractor update and every device's class vector (a voiceprint)",
