@@ -92,7 +92,7 @@ def test_fedrecon_speakers_study_table(tmp_path: Path) -> None:
     assert rows["centralised"]["trips"] is None
     # local prototypes: downloads carry the public negatives, uploads only the extractor,
     # which is smaller than extractor + head of the global-head arm
-    local, head = rows["fedrecon-local-speakers"], rows["fedavg-global-head"]
+    local, head = rows["fedrecon-local-speakers"], rows["fedbuff-global-head"]
     assert local["mb_down_per_trip"] > local["mb_up_per_trip"]
     assert local["mb_up_per_trip"] < head["mb_up_per_trip"]
     assert "never leave the device" in (out / "study.md").read_text()

@@ -90,14 +90,14 @@ STUDIES: dict[str, Study] = {
                 centralised=True,
             ),
             Arm(
-                "fedavg-global-head",
-                {"federated.speakers": "global_head"},
-                "the extractor update and every device's speaker row (a voiceprint)",
+                "fedrecon-local-speakers",
+                {"federated.speakers": "local"},
+                "the extractor update only; prototypes never leave the device",
             ),
             Arm(
-                "fedbuff-codewords",
-                {"federated.speakers": "codewords"},
-                "the extractor update only; head rows are fixed random codewords (no voice)",
+                "fedbuff-global-head",
+                {"federated.speakers": "global_head"},
+                "the extractor update and every device's speaker row (a voiceprint)",
             ),
             Arm(
                 "fedaws",
@@ -105,9 +105,9 @@ STUDIES: dict[str, Study] = {
                 "the extractor update and every device's class vector (a voiceprint)",
             ),
             Arm(
-                "fedrecon-local-speakers",
-                {"federated.speakers": "local"},
-                "the extractor update only; prototypes never leave the device",
+                "fedbuff-codewords",
+                {"federated.speakers": "codewords"},
+                "the extractor update only; head rows are fixed random codewords (no voice)",
             ),
         ),
         notes=(
