@@ -87,6 +87,8 @@ def test_federated_run_folder(tmp_path: Path, cache: Path, algorithm: str) -> No
     assert times == sorted(times) and times[0] > 0
     trips = [json.loads(x) for x in (run / "trips.jsonl").read_text().splitlines()]
     assert sum(t["status"] == "aggregated" for t in trips) == sum(r["updates"] for r in server)
+    # achieved concurrency: the cohort of a synchronous round, the trips in flight for async
+    assert all(r["concurrency"] == 4 for r in server)
     if algorithm == "fedbuff":
         assert all(r["updates"] == 2 for r in server)
         assert max(t.get("staleness", 0) for t in trips) > 0

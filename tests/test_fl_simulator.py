@@ -159,6 +159,7 @@ def test_metrics_records_and_memory_bounded_by_concurrency() -> None:
     assert steps[-1]["bytes_down"] == 4 * numel * steps[-1]["trips_started"]
     assert all(r["updates"] == 3 and len(r["staleness"]) == 3 for r in steps)
     assert all(0 < r["concurrency"] <= 6 for r in steps)
+    assert steps[-1]["concurrency"] == 6  # C trips under way once the clock is running
     assert all(r["time"] >= q["time"] for q, r in itertools.pairwise(steps))
     assert max(n_versions) <= 6 + 3 + 1  # in flight + buffered + current
 

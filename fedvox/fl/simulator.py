@@ -379,7 +379,12 @@ class Simulator:
         weights = self.algorithm.client_weights(results.num_examples, staleness)
         self.aggregator.accumulate(results.delta, weights)
         total, weight, count = self.aggregator.result()
-        concurrency = len(self.in_flight)
+        # achieved concurrency: trips under way when this step's last update arrived (a
+        # synchronous round's cohort; for async, the in-flight ones plus the arrival itself)
+        if self.algorithm.barrier:
+            concurrency = len(items) + len(self.in_flight)
+        else:
+            concurrency = len(self.in_flight) + 1
         new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
         new = {n: t.detach() for n, t in new.items()}
         old = self.server_step
