@@ -309,3 +309,25 @@ def test_closed_form_needs_the_task_to_have_one() -> None:
             ReconConfig(0, closed_form=True),
         )
     assert err.value.field == "reconstruction.closed_form"
+
+
+def test_groups_split_keeps_whole_groups_on_each_side() -> None:
+    from fedvox.fl.population import Population
+    from fedvox.fl.recon import ReconConfig, split_client
+
+    n = 12
+    store = {
+        "x": torch.zeros(n, 2),
+        "group": torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4]),
+    }
+    pop = Population(store, [np.arange(10), np.arange(10, 12)], seed=0)
+    recon = ReconConfig(split="groups")
+    for trip in range(5):
+        sp = split_client(pop, 0, np.random.default_rng(trip), 4, 1, recon)
+        sup = {int(store["group"][r]) for b in sp.support for r in b}
+        qry = {int(store["group"][r]) for b in sp.query for r in b}
+        assert sup and qry and not sup & qry  # no recording on both sides
+        assert sup | qry == {0, 1, 2, 3}
+        assert sp.num_query == sum(len(b) for b in sp.query)
+    one = split_client(pop, 1, np.random.default_rng(0), 4, 1, recon)  # a single group
+    assert sorted(r for b in one.query for r in b) == [10, 11]

@@ -203,7 +203,11 @@ class ReconstructionSection(_Strict):
 
     steps: int = Field(0, ge=0, description="SGD epochs refining the closed-form prototype")
     lr: float = Field(0.1, gt=0, description="learning rate of those steps")
-    split: Literal["even_odd", "all", "fraction"] = "even_odd"
+    split: Literal["even_odd", "all", "fraction", "groups"] = Field(
+        "even_odd",
+        description="support/query: even/odd batches, all data for both, a fraction of the "
+        "chunks, or whole recordings (groups: enrollment and training on different sessions)",
+    )
     public_speakers: int = Field(100, ge=2, description="public synthetic negatives (P)")
     public_chunks: int = Field(2, ge=1, description="chunks per public speaker")
 

@@ -69,7 +69,14 @@ def chunk_store(
         ys.append(np.full(len(c), y, dtype=np.int64))
         rows.append(np.arange(start, start + len(c)))
         start += len(c)
-    store = {"x": torch.from_numpy(np.concatenate(xs)), "y": torch.from_numpy(np.concatenate(ys))}
+    store = {
+        "x": torch.from_numpy(np.concatenate(xs)),
+        "y": torch.from_numpy(np.concatenate(ys)),
+        # the recording each chunk comes from (Federated Reconstruction's "groups" split)
+        "group": torch.from_numpy(
+            np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
+        ),
+    }
     return store, rows
 
 

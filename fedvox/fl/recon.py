@@ -31,7 +31,8 @@ PURPOSE_RECON_INIT = 5
 PURPOSE_RECON_EVAL = 6
 PURPOSE_RECON_EVAL_INIT = 7
 
-SPLITS = ("even_odd", "all", "fraction")
+SPLITS = ("even_odd", "all", "fraction", "groups")
+GROUP_FIELD = "group"  # store field naming each example's group (e.g. its recording)
 
 
 @runtime_checkable
@@ -67,7 +68,9 @@ class ReconConfig:
     closed_form: set the local parameters with task.closed_form_local on all support
       examples first (then `steps` epochs of SGD refine them; usually steps = 0).
     split: "even_odd" (support = even-indexed local batches, query = odd ones; the paper's
-      default), "fraction" (the first `support_fraction` of a shuffled client is support), or
+      default), "fraction" (the first `support_fraction` of a shuffled client is support),
+      "groups" (a `support_fraction` of the client's groups — store field "group", e.g. its
+      recordings — is support, the other groups query; one group: all data for both), or
       "all" (support = query = all data; with no local parameters and steps = 0 this is
       exactly FedAvg's client update). A client with fewer than `min_examples_to_split`
       examples, or (even_odd) a single batch, uses all its data for both.
@@ -159,6 +162,22 @@ def split_client(
     if recon.split == "even_odd":
         first = population.batch_indices(client, 0, batch_size, 1, rng)
         support, query = first[0::2], first[1::2]
+    elif recon.split == "groups":
+        # whole groups (recordings) on each side: a prototype enrolled on some sessions is
+        # trained against others, so the query cannot be matched by a shared channel
+        rows = population.order[population.offsets[client] : population.offsets[client + 1]]
+        groups = population.store[GROUP_FIELD][torch.from_numpy(rows)].numpy()
+        uniq = np.unique(groups)
+        if len(uniq) < 2:  # one recording: nothing to hold out
+            query = population.batch_indices(client, 0, batch_size, epochs, rng)
+            return Split(query[: len(query) // epochs], query, n)
+        chosen = rng.permutation(uniq)[
+            : min(max(round(recon.support_fraction * len(uniq)), 1), len(uniq) - 1)
+        ]
+        in_support = np.isin(groups, chosen)
+        support = _batches(rows[in_support][rng.permutation(int(in_support.sum()))], batch_size)
+        q = rows[~in_support]
+        query = _batches(q[rng.permutation(len(q))], batch_size)
     else:
         rows = population.order[population.offsets[client] : population.offsets[client + 1]]
         perm = rows[rng.permutation(n)]
