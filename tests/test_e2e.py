@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
 from fedvox.cli import app
@@ -24,21 +25,10 @@ from fedvox.errors import FedvoxError
 
 runner = CliRunner()
 
-TINY = """
-name = "tiny"
-seed = {seed}
-[data]
-cache_dir = "{cache}"
-workers = 1
-[data.synthetic]
-n_train_speakers = 8
-n_test_speakers = 4
-train_utts_per_speaker = 5
-test_utts_per_speaker = 3
-min_duration_s = 1.0
-max_duration_s = 1.5
-difficulty = "clean"
-[train]
+TINY = (
+    '\nname = "tiny"\nseed = {seed}\n'
+    + TINY_DATA
+    + """[train]
 steps = {steps}
 batch_size = 16
 chunk_frames = [60, 100]
@@ -46,10 +36,9 @@ checkpoint_every = {ckpt}
 warmup_steps = 5
 lr = 0.003
 threads = 1
-[eval]
-asnorm_top_n = 4
-lda_dim = 6
 """
+    + TINY_EVAL
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,32 +11,21 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
 from fedvox.cli import app
 
 runner = CliRunner()
 
-CFG = """
-name = "fed-{algorithm}"
-seed = {seed}
-[data]
-cache_dir = "{cache}"
-workers = 1
-[data.synthetic]
-n_train_speakers = 8
-n_test_speakers = 4
-train_utts_per_speaker = 5
-test_utts_per_speaker = 3
-min_duration_s = 1.0
-max_duration_s = 1.5
-difficulty = "clean"
-[train]
+CFG = (
+    '\nname = "fed-{algorithm}"\nseed = {seed}\n'
+    + TINY_DATA
+    + """[train]
 threads = 1
-[eval]
-asnorm_top_n = 4
-lda_dim = 6
-[federated]
+"""
+    + TINY_EVAL
+    + """[federated]
 algorithm = "{algorithm}"
 concurrency = 4
 buffer_size = 2
@@ -48,6 +37,7 @@ local_batch_size = 4
 local_lr = 0.02
 delay_mean_s = 30
 """
+)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
 from fedvox.cli import app
@@ -28,26 +29,14 @@ from fedvox.experiment.runner import weights_hash
 
 runner = CliRunner()
 
-CFG = """
-name = "reconeval"
-seed = 0
-[data]
-cache_dir = "{cache}"
-workers = 1
-[data.synthetic]
-n_train_speakers = 8
-n_test_speakers = 4
-train_utts_per_speaker = 5
-test_utts_per_speaker = 3
-min_duration_s = 1.0
-max_duration_s = 1.5
-difficulty = "clean"
-[train]
+CFG = (
+    '\nname = "reconeval"\nseed = 0\n'
+    + TINY_DATA
+    + """[train]
 threads = 1
-[eval]
-asnorm_top_n = 4
-lda_dim = 6
-[federated]
+"""
+    + TINY_EVAL
+    + """[federated]
 speakers = "local"
 algorithm = "fedavg"
 concurrency = 4
@@ -61,6 +50,7 @@ delay_mean_s = 30
 [federated.reconstruction]
 public_speakers = 4
 """
+)
 
 N_SPEAKERS, UTTS = 4, 3  # test speakers, utterances each: support = 0, 2; query = 1
 
@@ -157,31 +147,19 @@ def test_cli_reconeval_and_clean_error(run: Path, tmp_path: Path) -> None:
     assert isinstance(res.exception, FedvoxError) and "no trained model" in str(res.exception)
 
 
-CENTRAL = """
-name = "central"
-seed = 0
-[data]
-cache_dir = "{cache}"
-workers = 1
-[data.synthetic]
-n_train_speakers = 8
-n_test_speakers = 4
-train_utts_per_speaker = 5
-test_utts_per_speaker = 3
-min_duration_s = 1.0
-max_duration_s = 1.5
-difficulty = "clean"
-[train]
+CENTRAL = (
+    '\nname = "central"\nseed = 0\n'
+    + TINY_DATA
+    + """[train]
 steps = 2
 batch_size = 8
 chunk_frames = [60, 100]
 checkpoint_every = 2
 warmup_steps = 1
 threads = 1
-[eval]
-asnorm_top_n = 4
-lda_dim = 6
 """
+    + TINY_EVAL
+)
 
 
 def test_centralised_run_uses_reconstruction_defaults(
