@@ -52,7 +52,8 @@ def test_arm_configs_share_the_base_and_differ_only_by_the_arm() -> None:
     assert cfgs["centralised"].federated is None
     fed = [c for n, c in cfgs.items() if n != "centralised"]
     assert {c.federated.speakers for c in fed} == {"global_head", "codewords", "fedaws", "local"}
-    assert {c.federated.server_steps for c in fed} == {200} and {c.seed for c in fed} == {3}
+    assert {c.federated.server_steps for c in fed} == {40} and {c.seed for c in fed} == {3}
+    assert {c.federated.algorithm for c in fed} == {"fedavg"}
     with pytest.raises(ConfigError):
         arm_config(study, study.arms[1], {"federated.concurrency": 0})
 
@@ -92,7 +93,7 @@ def test_fedrecon_speakers_study_table(tmp_path: Path) -> None:
     assert rows["centralised"]["trips"] is None
     # local prototypes: downloads carry the public negatives, uploads only the extractor,
     # which is smaller than extractor + head of the global-head arm
-    local, head = rows["fedrecon-local-speakers"], rows["fedbuff-global-head"]
+    local, head = rows["fedrecon-local-speakers"], rows["fedavg-global-head"]
     assert local["mb_down_per_trip"] > local["mb_up_per_trip"]
     assert local["mb_up_per_trip"] < head["mb_up_per_trip"]
     assert "never leave the device" in (out / "study.md").read_text()
