@@ -12,6 +12,7 @@ turns the convolutions into grouped ones and ran 30-40% slower (--chunk 3 shows 
 
     .venv/bin/python benchmarks/bench_w1.py            # threads 1 and 2
     .venv/bin/python benchmarks/bench_w1.py --threads 1 [--loop] [--chunk 3] [--cohort 10]
+    .venv/bin/python benchmarks/bench_w1.py --norm none   # no normalisation layers (same FLOPs)
 """
 
 from __future__ import annotations
@@ -58,16 +59,16 @@ FRAMES, FEAT, SPEAKERS, ROUNDS = 200, 30, 500, 6
 class W1Net(nn.Module):
     """x-vector (embedding at segment a) -> ReLU/LN -> segment b -> ReLU/LN -> Linear 500."""
 
-    def __init__(self) -> None:
+    def __init__(self, norm: str = "layer") -> None:
         super().__init__()
-        self.extractor = build_extractor("xvector-small", FEAT, norm="layer", embedding_layer="a")
+        self.extractor = build_extractor("xvector-small", FEAT, norm=norm, embedding_layer="a")
         self.head = LinearHead(256, SPEAKERS)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.extractor.head_input(x))
 
 
-def build() -> tuple[ModuleTask, Population]:
+def build(norm: str = "layer") -> tuple[ModuleTask, Population]:
     """Synthetic W1 data: x = 0.5·μ[speaker] + N(0,1) per frame; 2 speakers per client."""
     rng = np.random.default_rng(0)
     mu = rng.normal(size=(SPEAKERS, FEAT)).astype(np.float32)
@@ -78,13 +79,13 @@ def build() -> tuple[ModuleTask, Population]:
     x += 0.5 * torch.from_numpy(mu[y]).unsqueeze(1)
     store = {"x": x, "y": torch.from_numpy(y)}
     torch.manual_seed(0)
-    task = ModuleTask(W1Net(), lambda out, b: F.cross_entropy(out, b["y"], reduction="none"))
+    task = ModuleTask(W1Net(norm), lambda out, b: F.cross_entropy(out, b["y"], reduction="none"))
     return task, Population(store, list(np.arange(n).reshape(CLIENTS, PER_CLIENT)), seed=0)
 
 
-def run(threads: int, vectorised: bool, chunk: int | None, cohort: int) -> None:
+def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str) -> None:
     torch.set_num_threads(threads)
-    task, pop = build()
+    task, pop = build(norm)
     flops = train_flops(
         forward_flops(lambda: task.loss(task.init_params(), pop.gather(np.arange(BATCH)))) / BATCH,
         cohort * PER_CLIENT,
@@ -108,6 +109,7 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int) -> None:
     sim.run(max_server_steps=ROUNDS)
     auto = _auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
     mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
+    mode += f" norm={norm}"
     report(
         f"W1 threads={threads} cohort={cohort} {mode}", median_rounds(stamps), flops, rate, losses
     )
@@ -122,15 +124,22 @@ def main() -> None:
         "--cohort", type=int, default=COHORT, help="clients per round (smaller: a quick check)"
     )
     ap.add_argument(
+        "--norm",
+        choices=("layer", "none"),
+        default="layer",
+        help="frame/segment normalisation (W1 allows it to differ; 'none' keeps the FLOPs)",
+    )
+    ap.add_argument(
         "--keep-memory", action="store_true", help="malloc keeps freed pages (floor.py)"
     )
     args = ap.parse_args()
     if args.threads is not None:
         keep_memory_if_asked(args.keep_memory)
-        run(args.threads, not args.loop, args.chunk, args.cohort)
+        run(args.threads, not args.loop, args.chunk, args.cohort, args.norm)
         return
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--cohort", str(args.cohort)]
+        cmd += ["--norm", args.norm]
         if args.keep_memory:
             cmd.append("--keep-memory")
         if args.loop:
