@@ -133,7 +133,7 @@ STUDIES: dict[str, Study] = {
         notes=(
             "Federated arms: FedAvg (cohort 100 of 200 devices, 40 rounds = 4,000 client "
             "trips), server SGD, two local epochs, one speaker per device, the same budget "
-            "and seed; centralised: the default trainer (700 steps of 64 augmented chunks).",
+            "and seed; centralised: the default trainer (700 steps of 64 random 2–3 s crops).",
         ),
     ),
     "dp-utility": Study(
