@@ -84,7 +84,55 @@ def build(norm: str = "layer") -> tuple[ModuleTask, Population]:
     return task, Population(store, list(np.arange(n).reshape(CLIENTS, PER_CLIENT)), seed=0)
 
 
-def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str) -> None:
+def run_plain(threads: int, cohort: int, norm: str) -> None:
+    """The reference: a plain PyTorch loop over clients (load weights, torch.optim.SGD steps on
+    the module, average the deltas by examples), no engine; same data, FLOPs and floor."""
+    torch.set_num_threads(threads)
+    task, pop = build(norm)
+    net = task.module
+    flops = train_flops(
+        forward_flops(lambda: task.loss(task.init_params(), pop.gather(np.arange(BATCH)))) / BATCH,
+        cohort * PER_CLIENT,
+    )
+    rate = matmul_rate()
+    glob = {n: p.detach().clone() for n, p in net.named_parameters()}
+    rng = np.random.default_rng(0)
+    stamps, losses = [time.perf_counter()], []
+    for _ in range(ROUNDS):
+        total = {n: torch.zeros_like(t) for n, t in glob.items()}
+        round_loss = 0.0
+        for c in rng.choice(CLIENTS, size=cohort, replace=False):
+            with torch.no_grad():
+                for n, p in net.named_parameters():
+                    p.copy_(glob[n])
+            opt = torch.optim.SGD(net.parameters(), lr=LR)
+            rows = pop.order[pop.offsets[c] : pop.offsets[c + 1]][rng.permutation(PER_CLIENT)]
+            for i in range(0, PER_CLIENT, BATCH):
+                batch = pop.gather(rows[i : i + BATCH])
+                opt.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(net(batch["x"]), batch["y"])
+                loss.backward()
+                opt.step()
+                round_loss += float(loss.detach()) / (cohort * PER_CLIENT // BATCH)
+            with torch.no_grad():
+                for n, p in net.named_parameters():
+                    total[n] += glob[n] - p  # equal example counts: a plain mean
+        for n in glob:
+            glob[n] -= total[n] / cohort
+        stamps.append(time.perf_counter())
+        losses.append(round_loss)
+    report(
+        f"W1 threads={threads} cohort={cohort} plain PyTorch loop norm={norm}",
+        median_rounds(stamps),
+        flops,
+        rate,
+        losses,
+    )
+
+
+def run(
+    threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str, compile_: bool
+) -> None:
     torch.set_num_threads(threads)
     task, pop = build(norm)
     flops = train_flops(
@@ -103,14 +151,21 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
         task,
         pop,
         FedAvg(ServerSGD(1.0)),
-        ClientConfig(epochs=1, batch_size=BATCH, lr=LR, vectorised=vectorised, chunk_size=chunk),
+        ClientConfig(
+            epochs=1,
+            batch_size=BATCH,
+            lr=LR,
+            vectorised=vectorised,
+            chunk_size=chunk,
+            compile=compile_,
+        ),
         SimulatorConfig(concurrency=cohort, delay=DelayModel("constant"), seed=0),
         callback=on_record,
     )
     sim.run(max_server_steps=ROUNDS)
     auto = _auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
     mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
-    mode += f" norm={norm}"
+    mode += f" norm={norm}" + (" compiled" if compile_ else "")
     report(
         f"W1 threads={threads} cohort={cohort} {mode}", median_rounds(stamps), flops, rate, losses
     )
@@ -119,7 +174,15 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--loop", action="store_true", help="reference per-client loop")
+    ap.add_argument("--loop", action="store_true", help="the engine's per-client loop")
+    ap.add_argument(
+        "--plain", action="store_true", help="reference: a plain PyTorch loop, no engine"
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the client step (ClientConfig.compile; round 1 pays compilation)",
+    )
     ap.add_argument("--chunk", type=int, default=None, help="clients per vectorised call")
     ap.add_argument(
         "--cohort", type=int, default=COHORT, help="clients per round (smaller: a quick check)"
@@ -136,15 +199,19 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads is not None:
         keep_memory_if_asked(args.keep_memory)
-        run(args.threads, not args.loop, args.chunk, args.cohort, args.norm)
+        if args.plain:
+            run_plain(args.threads, args.cohort, args.norm)
+        else:
+            run(args.threads, not args.loop, args.chunk, args.cohort, args.norm, args.compile)
         return
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--cohort", str(args.cohort)]
         cmd += ["--norm", args.norm]
         if args.keep_memory:
             cmd.append("--keep-memory")
-        if args.loop:
-            cmd.append("--loop")
+        for flag in ("loop", "plain", "compile"):
+            if getattr(args, flag):
+                cmd.append(f"--{flag}")
         if args.chunk:
             cmd += ["--chunk", str(args.chunk)]
         subprocess.run(cmd, check=True)

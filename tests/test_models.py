@@ -27,7 +27,7 @@ from fedvox.models import (
     speaker_loss,
     train_step,
 )
-from fedvox.models.xvector import ChannelLayerNorm
+from fedvox.models.xvector import VARIANCE_FLOOR, ChannelLayerNorm, time_mean_std
 
 TINY = (32, 32, 32, 32, 64)
 
@@ -211,6 +211,41 @@ def test_std_pooling_is_safe_on_constant_channels():
         model.frame_layers[4].conv.bias.fill_(-100.0)  # every frame-5 channel dead: var == 0
     model(torch.randn(2, 30, 30)).sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def _spelled_out_mean_std(x: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.mean(dim=1)
+    centred = x - mean.unsqueeze(1)
+    return mean, (centred * centred).mean(dim=1).clamp(min=floor).sqrt()
+
+
+def test_fused_pooling_backward_equals_autograd_of_the_spelled_out_form():
+    torch.manual_seed(0)
+    x = torch.randn(3, 20, 6, dtype=torch.float64)
+    x[1, :, 2] = 0.5  # a constant channel: floored variance, no gradient through its std
+    x.requires_grad_(True)
+    g_mean, g_std = torch.randn(3, 6, dtype=torch.float64), torch.randn(3, 6, dtype=torch.float64)
+    fused = time_mean_std(x, None)
+    ref = _spelled_out_mean_std(x, VARIANCE_FLOOR)
+    for a, b in zip(fused, ref, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    got = torch.autograd.grad(fused, x, (g_mean, g_std))[0]
+    want = torch.autograd.grad(ref, x, (g_mean, g_std))[0]
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    assert torch.all(got[1, :, 2] == g_mean[1, 2] / 20)  # only the mean's share reaches it
+    assert torch.autograd.gradcheck(
+        lambda t: time_mean_std(t, None), (x.detach()[:1].clone().requires_grad_(),)
+    )
+    # under vmap(grad) over clients, as the engine runs it
+    xs = torch.randn(4, 2, 20, 6)
+
+    def total(f):
+        return lambda t: sum(v.sum() for v in f(t))
+
+    per_client = torch.stack(
+        [grad(total(lambda t: _spelled_out_mean_std(t, VARIANCE_FLOOR)))(t) for t in xs]
+    )
+    torch.testing.assert_close(vmap(grad(total(lambda t: time_mean_std(t, None))))(xs), per_client)
 
 
 # ---------------------------------------------------------------- AAM softmax

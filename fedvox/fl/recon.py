@@ -422,19 +422,26 @@ def _train_loop(
         local = _reconstruct_one(task, population, sp.support, start, local, cfg, recon)
         names = list(start)
         obj = _query_objective(task, cfg, recon.joint, names)
-        step_grad = grad(obj, has_aux=True)
         p = dict(start)
         anchor = start
         if recon.joint:
             p.update(local)
             anchor = {**start, **local}
             local = {}
+        # plain autograd on leaf copies with in-place steps, as client._train_loop
+        p = {n: t.detach().clone().requires_grad_(True) for n, t in p.items()}
         total_loss = torch.zeros(())
         for r in sp.query:
-            g, total = step_grad(p, anchor, local, population.gather(r), torch.ones(len(r)))
-            p = {n: p[n] - cfg.lr * g[n] for n in p}
-            total_loss = total_loss + total
-        deltas.append({n: start[n] - p[n] for n in names})
+            o, total = obj(p, anchor, local, population.gather(r), torch.ones(len(r)))
+            grads = torch.autograd.grad(
+                o, list(p.values()), allow_unused=True, materialize_grads=True
+            )
+            with torch.no_grad():
+                for t, g in zip(p.values(), grads, strict=True):
+                    t.sub_(g, alpha=cfg.lr)
+            total_loss = total_loss + total.detach()
+        with torch.no_grad():
+            deltas.append({n: start[n] - p[n] for n in names})
         sums.append(total_loss)
     return stack(deltas), torch.stack(sums)
 
