@@ -11,6 +11,7 @@ size (5 MB of parameters) is trained one at a time (client.py SOLO_BYTES): vmap 
 turns the convolutions into grouped ones and ran 30-40% slower (--chunk 3 shows it).
 
     .venv/bin/python benchmarks/bench_w1.py            # threads 1 and 2
+    .venv/bin/python benchmarks/bench_w1.py --threads 2 --plain   # plain PyTorch loop reference
     .venv/bin/python benchmarks/bench_w1.py --threads 1 [--loop] [--chunk 3] [--cohort 10]
     .venv/bin/python benchmarks/bench_w1.py --norm none   # no norm layers: same FLOPs, but at
                                                           # lr 0.05 its loss does not go down
@@ -130,9 +131,7 @@ def run_plain(threads: int, cohort: int, norm: str) -> None:
     )
 
 
-def run(
-    threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str, compile_: bool
-) -> None:
+def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str) -> None:
     torch.set_num_threads(threads)
     task, pop = build(norm)
     flops = train_flops(
@@ -157,7 +156,6 @@ def run(
             lr=LR,
             vectorised=vectorised,
             chunk_size=chunk,
-            compile=compile_,
         ),
         SimulatorConfig(concurrency=cohort, delay=DelayModel("constant"), seed=0),
         callback=on_record,
@@ -165,7 +163,7 @@ def run(
     sim.run(max_server_steps=ROUNDS)
     auto = _auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
     mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
-    mode += f" norm={norm}" + (" compiled" if compile_ else "")
+    mode += f" norm={norm}"
     report(
         f"W1 threads={threads} cohort={cohort} {mode}", median_rounds(stamps), flops, rate, losses
     )
@@ -177,11 +175,6 @@ def main() -> None:
     ap.add_argument("--loop", action="store_true", help="the engine's per-client loop")
     ap.add_argument(
         "--plain", action="store_true", help="reference: a plain PyTorch loop, no engine"
-    )
-    ap.add_argument(
-        "--compile",
-        action="store_true",
-        help="torch.compile the client step (ClientConfig.compile; round 1 pays compilation)",
     )
     ap.add_argument("--chunk", type=int, default=None, help="clients per vectorised call")
     ap.add_argument(
@@ -202,14 +195,14 @@ def main() -> None:
         if args.plain:
             run_plain(args.threads, args.cohort, args.norm)
         else:
-            run(args.threads, not args.loop, args.chunk, args.cohort, args.norm, args.compile)
+            run(args.threads, not args.loop, args.chunk, args.cohort, args.norm)
         return
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--cohort", str(args.cohort)]
         cmd += ["--norm", args.norm]
         if args.keep_memory:
             cmd.append("--keep-memory")
-        for flag in ("loop", "plain", "compile"):
+        for flag in ("loop", "plain"):
             if getattr(args, flag):
                 cmd.append(f"--{flag}")
         if args.chunk:

@@ -73,8 +73,6 @@ class ClientConfig:
     1, chosen for clients of SOLO_BYTES or more, trains them one at a time without vmap).
     lowrank: the exact low-rank path for Sequential MLPs (see `_train_lowrank`): None uses it
     where the model allows and it saves work, True requires it, False never uses it.
-    compile: run the one-client-at-a-time path's forward and backward through torch.compile
-    (large clients; the first trip pays the compilation).
     """
 
     epochs: int = 1
@@ -85,7 +83,6 @@ class ClientConfig:
     vectorised: bool = True
     chunk_size: int | None = None
     lowrank: bool | None = None
-    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -448,9 +445,8 @@ def _train_loop(
 
     Not torch.func.grad: its per-op wrappers and out-of-place gradient sums cost a large
     client (W1's x-vector) about a fifth of its step time; vmap needs them, a loop does not.
-    With `cfg.compile` the objective (forward and backward) goes through torch.compile.
     """
-    objective = _compiled_objective(loss, cfg) if cfg.compile else _objective(loss, cfg)
+    objective = _objective(loss, cfg)
     deltas, sums = [], []
     for bl, start in zip(batches, starts, strict=True):
         p = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
@@ -469,22 +465,3 @@ def _train_loop(
             deltas.append({n: start[n] - p[n] for n in p})
         sums.append(total_loss)
     return stack(deltas), torch.stack(sums)
-
-
-# Keyed by the loss callable itself (bound methods of one task compare equal).
-_COMPILED: dict[tuple[Callable, float, bool, int], Callable] = {}
-
-
-def _compiled_objective(loss: LossFn, cfg: ClientConfig) -> Callable:
-    """torch.compile of `_objective`, built once per (loss, mu, lr_normalise, batch size).
-
-    Inductor fuses the element-wise work around the matmuls (ReLU, LayerNorm, pooling and
-    their backward), which is what a compute-bound client spends beyond its FLOP floor. The
-    first call compiles (tens of seconds); a batch of a new shape compiles once more.
-    """
-    key = (loss, cfg.mu, cfg.lr_normalise, cfg.batch_size)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        fn = torch.compile(_objective(loss, cfg), dynamic=False)
-        _COMPILED[key] = fn
-    return fn
