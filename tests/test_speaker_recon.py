@@ -165,6 +165,37 @@ def test_negatives_are_the_start_versions_public_prototypes_and_stay_fixed() -> 
     assert not torch.equal(diff.delta["extractor.l1.weight"], ref.delta["extractor.l1.weight"])
 
 
+def test_negatives_are_computed_once_per_version_across_interleaved_completions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # FedBuff completes clients of ~C/K versions interleaved: each version's negatives must
+    # be computed once, however the completions interleave (a small cache recomputed them).
+    import fedvox.tasks.speakers as speakers
+
+    calls: list[int] = []
+    real = speakers.public_prototypes
+
+    def counting(task, params, store, batch=256):
+        calls.append(id(params))
+        return real(task, params, store, batch)
+
+    monkeypatch.setattr(speakers, "public_prototypes", counting)
+    pop, public, task = one_speaker_population(6), public_store(), make_task()
+    v0 = task.init_params()
+    versions = [v0] + [{n: t + 0.01 * k for n, t in v0.items()} for k in (1, 2, 3, 4, 5)]
+    update = make_speaker_recon_update(public, RECON)  # the default cache
+    cfg = ClientConfig(batch_size=2, lr=0.03)
+    first = None
+    for rnd in range(3):  # every version completes again in each of three interleaved waves
+        for k in (0, 3, 1, 5, 2, 4):
+            got = update(task, pop, [(k, rnd)], [versions[k]], cfg)
+            if rnd == 0 and k == 0:
+                first = got
+    assert sorted(calls) == sorted(id(v) for v in versions)  # once each
+    again = update(task, pop, [(0, 0)], [versions[0]], cfg)
+    assert all(torch.equal(again.delta[n], first.delta[n]) for n in v0)
+
+
 # -- enrollment -------------------------------------------------------------------------------
 
 
