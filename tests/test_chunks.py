@@ -41,3 +41,20 @@ def test_state_restores_the_exact_sequence() -> None:
     got = [b.next_batch() for _ in range(5)]
     for (x1, y1), (x2, y2) in zip(expected, got, strict=True):
         assert np.array_equal(x1, x2) and np.array_equal(y1, y2)
+
+
+def test_sliding_chunks_are_every_window_at_the_hop_and_the_store_counts_fixed_chunks() -> None:
+    from fedvox.experiment.federated import chunk_store
+    from fedvox.training.chunks import sliding_chunks
+
+    f = np.arange(23 * 2, dtype=np.float32).reshape(23, 2)
+    w = sliding_chunks(f, 10, 4)  # starts 0, 4, 8, 12
+    assert w.shape == (4, 10, 2)
+    assert [int(c[0, 0]) // 2 for c in w] == [0, 4, 8, 12]
+    assert sliding_chunks(f[:6], 10, 4).shape == (1, 10, 2)  # short: tiled, as fixed_chunks
+    feats = {"a": f, "b": f[:15]}
+    store, rows, take = chunk_store(feats, ["a", "b"], np.array([0, 1]), 10, hop=4)
+    assert [len(r) for r in rows] == [4, 2] and list(take) == [2, 1]  # 23 // 10, 15 // 10
+    assert store["group"].tolist() == [0, 0, 0, 0, 1, 1]
+    fixed_store, fixed_rows, none = chunk_store(feats, ["a", "b"], np.array([0, 1]), 10)
+    assert none is None and [len(r) for r in fixed_rows] == [2, 1]

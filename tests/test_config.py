@@ -34,6 +34,12 @@ def test_defaults_roundtrip_through_toml(tmp_path: Path) -> None:
         ({"data": {"synthetic": {"difficulty": "extreme"}}}, "data.synthetic.difficulty"),
         ({"data": {"train": "/some/dir"}}, "data"),
         ({"train": {"augment": {"speed_factors": [1.0]}}}, "train.augment"),
+        ({"federated": {"chunk_hop": 0}}, "federated.chunk_hop"),
+        ({"federated": {"chunk_hop": 300}}, "federated"),
+        (
+            {"federated": {"chunk_hop": 50, "reconstruction": {"split": "groups"}}},
+            "federated",
+        ),
     ],
 )
 def test_bad_fields_are_named(d: dict, field: str) -> None:

@@ -159,6 +159,7 @@ def test_impossible_settings_refused_before_training(
         ("fedavg", "fedaws"),
         ("fedbuff", "fedaws"),
         ("fedbuff", "codewords"),
+        ("fedavg", "local+crops"),
     ],
 )
 def test_local_speakers_and_fedaws_runs(
@@ -166,7 +167,9 @@ def test_local_speakers_and_fedaws_runs(
 ) -> None:
     """Federated Reconstruction (prototypes stay on the device) and FedAwS end to end."""
     cfg = cfg_file(tmp_path, cache, algorithm, steps=4)
-    extra = f'speakers = "{speakers}"\n'
+    crops = speakers.endswith("+crops")  # random crops: windows every 20 frames
+    speakers = speakers.removesuffix("+crops")
+    extra = f'speakers = "{speakers}"\n' + ("chunk_hop = 20\n" if crops else "")
     text = cfg.read_text().replace("[federated]\n", "[federated]\n" + extra)
     text += "[federated.reconstruction]\npublic_speakers = 4\n"
     cfg.write_text(text)

@@ -238,3 +238,38 @@ def test_server_lr_schedule_warms_up_and_decays_by_server_step() -> None:
     again.schedule = sched
     again.load_state_dict({"step": 2})
     assert float(again.step({"w": torch.zeros(1)}, g)["w"]) == -1.5
+
+
+# -- random crops: groups of rows drawn per epoch ----------------------------------------------
+
+
+def test_group_sampling_draws_take_rows_per_group_fresh_each_epoch_and_trip() -> None:
+    # client 0: groups 0 (rows 0-4) and 1 (rows 5-7); client 1: group 2 (rows 8-13)
+    groups = np.array([0] * 5 + [1] * 3 + [2] * 6)
+    take = np.array([2, 1, 3])
+    store = {"x": torch.arange(14.0).unsqueeze(1)}
+    pop = Population(store, [np.arange(8), np.arange(8, 14)], seed=3, groups=groups, take=take)
+    assert pop.num_examples(0) == 3 and pop.num_examples(1) == 3
+    assert list(pop.examples()) == [3, 3]
+    seen = set()
+    for trip in range(20):
+        batches = pop.batch_indices(0, trip, batch_size=2, epochs=2)
+        assert [len(b) for b in batches] == [2, 1, 2, 1]
+        for e in (0, 1):
+            epoch = np.concatenate(batches[2 * e : 2 * e + 2])
+            assert len(set(epoch)) == 3
+            assert np.sum(groups[epoch] == 0) == 2 and np.sum(groups[epoch] == 1) == 1
+            seen.add(tuple(sorted(epoch)))
+        again = pop.batch_indices(0, trip, batch_size=2, epochs=2)
+        assert all(np.array_equal(a, b) for a, b in zip(batches, again, strict=True))
+    assert len(seen) > 5  # fresh draws, not one fixed subset
+    plain = Population(store, [np.arange(8), np.arange(8, 14)], seed=3)
+    assert plain.num_examples(0) == 8
+
+
+def test_group_sampling_refuses_bad_counts() -> None:
+    store = {"x": torch.zeros(4, 1)}
+    with pytest.raises(ConfigError, match="take"):
+        Population(store, [np.arange(4)], groups=np.array([0, 0, 1, 1]), take=np.array([3, 1]))
+    with pytest.raises(ConfigError, match="together"):
+        Population(store, [np.arange(4)], groups=np.array([0, 0, 1, 1]))

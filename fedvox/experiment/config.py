@@ -271,6 +271,12 @@ class FederatedSection(_Strict):
         "examples", description="FedAvg: weight updates by examples, or each client once"
     )
     chunk_frames: int = Field(200, ge=20, description="fixed training-chunk length on clients")
+    chunk_hop: int | None = Field(
+        None,
+        ge=1,
+        description="random crops: store every chunk_frames window at this hop and draw, per "
+        "recording and epoch, as many windows as it has fixed chunks (None: fixed chunks)",
+    )
     server_steps: int = Field(200, ge=1)
     eval_every: int = Field(20, ge=1, description="server steps between held-out evaluations")
     checkpoint_every: int = Field(20, ge=1, description="server steps between checkpoints")
@@ -281,6 +287,16 @@ class FederatedSection(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> FederatedSection:
+        if self.chunk_hop is not None and self.chunk_hop > self.chunk_frames:
+            raise ValueError(
+                f"chunk_hop {self.chunk_hop} > chunk_frames {self.chunk_frames} skips frames; "
+                "use a hop of at most chunk_frames"
+            )
+        if self.chunk_hop is not None and self.reconstruction.split in ("fraction", "groups"):
+            raise ValueError(
+                "chunk_hop (random crops) needs reconstruction.split 'all' or 'even_odd': the "
+                f"'{self.reconstruction.split}' split picks store rows, which would be every window"
+            )
         if self.speakers == "fedaws" and self.algorithm == "fedasync":
             raise ValueError("speakers = fedaws runs with fedavg or fedbuff, not fedasync")
         if self.algorithm == "fedbuff" and self.buffer_size > self.concurrency:

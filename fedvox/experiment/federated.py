@@ -51,7 +51,7 @@ from fedvox.tasks.speakers import (
     speaker_population,
 )
 from fedvox.training.centralised import PURPOSE_INIT, set_determinism
-from fedvox.training.chunks import fixed_chunks
+from fedvox.training.chunks import fixed_chunks, sliding_chunks
 
 PARTITION_FILE = "partition.json"
 PURPOSE_CODEWORDS = 0xC0DE
@@ -59,12 +59,25 @@ TRIPS_FILE = "trips.jsonl"
 
 
 def chunk_store(
-    feats: dict[str, np.ndarray], utts: list[str], labels: np.ndarray, length: int
-) -> tuple[dict[str, Tensor], list[np.ndarray]]:
-    """One shared store {"x": [N, L, D], "y": [N]} and the chunk rows of each utterance."""
-    xs, ys, rows, start = [], [], [], 0
+    feats: dict[str, np.ndarray],
+    utts: list[str],
+    labels: np.ndarray,
+    length: int,
+    hop: int | None = None,
+) -> tuple[dict[str, Tensor], list[np.ndarray], np.ndarray | None]:
+    """One shared store {"x": [N, L, D], "y": [N], "group": [N]} and the chunk rows of each
+    utterance; with `hop`, also how many windows make one epoch of each utterance.
+
+    hop None: non-overlapping fixed chunks (take is None). hop h: every window at a multiple
+    of h, and take[u] = the number of fixed chunks utterance u would have, so a device that
+    draws take[u] windows per recording per epoch (Population groups/take) trains on as much
+    as with fixed chunks, at fresh positions: the random crops the centralised trainer uses.
+    """
+    xs, ys, rows, takes, start = [], [], [], [], 0
     for u, y in zip(utts, labels, strict=True):
-        c = fixed_chunks(feats[u], length)
+        f = feats[u]
+        c = fixed_chunks(f, length) if hop is None else sliding_chunks(f, length, hop)
+        takes.append(len(fixed_chunks(f, length)) if hop is not None else len(c))
         xs.append(c)
         ys.append(np.full(len(c), y, dtype=np.int64))
         rows.append(np.arange(start, start + len(c)))
@@ -77,7 +90,7 @@ def chunk_store(
             np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
         ),
     }
-    return store, rows
+    return store, rows, (None if hop is None else np.asarray(takes, dtype=np.int64))
 
 
 class SpeakerTask(nn.Module):
@@ -179,7 +192,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         seed=cfg.seed,
         exclude_speakers=data.test_corpus.speakers(),
     )
-    store, rows = chunk_store(data.train_feats, utts, labels, f.chunk_frames)
+    store, rows, take = chunk_store(data.train_feats, utts, labels, f.chunk_frames, f.chunk_hop)
+    crops = {} if take is None else {"groups": store["group"].numpy(), "take": take}
     row_of = dict(zip(utts, rows, strict=True))
     clients = [np.concatenate([row_of[u] for u in client]) for client in part.clients]
     opt_kw = {"lr": f.server_lr}
@@ -195,10 +209,10 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     extra_bytes_down = 0
     if f.speakers == "local":
         task, population, client_update, extra_bytes_down = _local_speakers(
-            cfg, data, store, clients
+            cfg, data, store, clients, crops
         )
     else:
-        population = Population(store, clients, seed=cfg.seed)
+        population = Population(store, clients, seed=cfg.seed, **crops)
         if f.speakers == "fedaws":
             task = FedAwSTask(
                 build_federated_extractor(cfg, data.feat_dim),
@@ -265,6 +279,7 @@ def _local_speakers(
     data: PreparedData,
     store: dict[str, Tensor],
     clients: list[np.ndarray],
+    crops: dict[str, np.ndarray],
 ) -> tuple[SpeakerReconTask, Population, object, int]:
     """Federated Reconstruction of speaker prototypes: task, population with local speaker
     slots, the client update (closed-form enrollment + public negatives), extra bytes down."""
@@ -280,7 +295,7 @@ def _local_speakers(
         max_local=max_local,
         negatives="public",
     )
-    population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local)
+    population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
     public = public_speaker_store(
         synthetic_config(cfg.data),
         feature_config(cfg.features),

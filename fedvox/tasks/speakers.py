@@ -241,10 +241,13 @@ def speaker_population(
     client_rows: Sequence[Sequence[int] | np.ndarray],
     seed: int = 0,
     max_local: int = 1,
+    groups: np.ndarray | None = None,
+    take: np.ndarray | None = None,
 ) -> Population:
     """The Population with a "slot" field: each chunk's local speaker index on its client
     (the client's speakers in label order). Refuses a client with more than `max_local`
-    speakers, which one prototype per slot could not hold."""
+    speakers, which one prototype per slot could not hold. `groups`/`take`: random crops
+    (Population)."""
     if "y" not in store:
         raise ConfigError("population.store", "no speaker labels 'y'", "pass {'x': X, 'y': Y}")
     y = np.asarray(store["y"])
@@ -266,7 +269,9 @@ def speaker_population(
                 "give every client its own rows",
             )
         slot[rows] = local
-    return Population({**store, "slot": torch.from_numpy(slot)}, client_rows, seed=seed)
+    return Population(
+        {**store, "slot": torch.from_numpy(slot)}, client_rows, seed=seed, groups=groups, take=take
+    )
 
 
 # -- speaker reconstruction -------------------------------------------------------------------

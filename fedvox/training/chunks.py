@@ -90,3 +90,13 @@ def fixed_chunks(feats: np.ndarray, length: int) -> np.ndarray:
         return np.tile(feats, (reps, 1))[None, :length]
     k = n // length
     return feats[: k * length].reshape(k, length, feats.shape[1])
+
+
+def sliding_chunks(feats: np.ndarray, length: int, hop: int) -> np.ndarray:
+    """Every `length`-frame window of one utterance starting at a multiple of `hop`
+    [n, length, dim] (at least one; a short utterance is tiled, as fixed_chunks)."""
+    n = feats.shape[0]
+    if n < length:
+        return fixed_chunks(feats, length)
+    starts = range(0, n - length + 1, hop)
+    return np.stack([feats[s : s + length] for s in starts])
