@@ -58,3 +58,4 @@ def test_sliding_chunks_are_every_window_at_the_hop_and_the_store_counts_fixed_c
     assert store["group"].tolist() == [0, 0, 0, 0, 1, 1]
     fixed_store, fixed_rows, none = chunk_store(feats, ["a", "b"], np.array([0, 1]), 10)
     assert none is None and [len(r) for r in fixed_rows] == [2, 1]
+    assert fixed_store["x"].shape == (3, 10, 2)
