@@ -434,6 +434,20 @@ def _train_lowrank(
     return loss_sum
 
 
+def sgd_step_(params: Params, objective: Tensor, lr: float) -> None:
+    """One in-place SGD step on leaf tensors `params` (requires_grad) down `objective`.
+
+    Shared by the one-client-at-a-time loops (here and fl.recon); a parameter the objective
+    does not use gets a zero gradient.
+    """
+    grads = torch.autograd.grad(
+        objective, list(params.values()), allow_unused=True, materialize_grads=True
+    )
+    with torch.no_grad():
+        for t, g in zip(params.values(), grads, strict=True):
+            t.sub_(g, alpha=lr)
+
+
 def _train_loop(
     loss: LossFn,
     population: Population,
@@ -454,12 +468,7 @@ def _train_loop(
         for r in bl:
             batch = population.gather(r)
             obj, total = objective(p, start, batch, torch.ones(len(r)))
-            grads = torch.autograd.grad(
-                obj, list(p.values()), allow_unused=True, materialize_grads=True
-            )
-            with torch.no_grad():
-                for t, g in zip(p.values(), grads, strict=True):
-                    t.sub_(g, alpha=cfg.lr)
+            sgd_step_(p, obj, cfg.lr)
             total_loss = total_loss + total
         with torch.no_grad():
             deltas.append({n: start[n] - p[n] for n in p})

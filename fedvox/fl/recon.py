@@ -18,7 +18,14 @@ from torch.func import grad, vmap
 
 from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import stack
-from fedvox.fl.client import ClientConfig, ClientResults, _auto_chunk, _objective, _pad
+from fedvox.fl.client import (
+    ClientConfig,
+    ClientResults,
+    _auto_chunk,
+    _objective,
+    _pad,
+    sgd_step_,
+)
 from fedvox.fl.population import PURPOSE_BATCHES, Population, derived_rng
 
 Params = dict[str, Tensor]
@@ -433,12 +440,7 @@ def _train_loop(
         total_loss = torch.zeros(())
         for r in sp.query:
             o, total = obj(p, anchor, local, population.gather(r), torch.ones(len(r)))
-            grads = torch.autograd.grad(
-                o, list(p.values()), allow_unused=True, materialize_grads=True
-            )
-            with torch.no_grad():
-                for t, g in zip(p.values(), grads, strict=True):
-                    t.sub_(g, alpha=cfg.lr)
+            sgd_step_(p, o, cfg.lr)
             total_loss = total_loss + total.detach()
         with torch.no_grad():
             deltas.append({n: start[n] - p[n] for n in names})
