@@ -343,7 +343,7 @@ def compare(
     ] = None,
 ) -> None:
     """Compare runs: EER vs client trips and vs virtual hours, and a table of the trips and
-    virtual hours each run needs to reach a target EER."""
+    virtual hours each run needs to reach a target EER. Runs are labelled by folder name."""
     from fedvox.experiment.compare import compare_runs
 
     path = compare_runs(runs, out_dir, target)

@@ -95,8 +95,8 @@ def test_compare_runs_writes_table_and_plots(tmp_path):
     }
     assert rows["a"] == ["8.00%", "6.00%", "180.0", "0.180"]
     assert rows["b"] == ["12.00%", "12.00%", "250.0", "2.500"]
-    assert rows["central"][:2] == ["4.00%", "4.00%"] and "centralised" in rows["central"][2]
-    assert "central: no trips" in md
+    assert rows["c"][:2] == ["4.00%", "4.00%"] and "centralised" in rows["c"][2]
+    assert "c: no trips" in md and "(config central)" in md
     for png in ("eer_vs_trips.png", "eer_vs_hours.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
@@ -107,10 +107,15 @@ def test_compare_runs_writes_table_and_plots(tmp_path):
     assert "| a | 8.00% | 6.00% | not reached | not reached |" in md
 
 
-def test_same_names_are_told_apart(tmp_path):
+def test_runs_are_labelled_by_folder(tmp_path):
+    """One config run twice with different --set overrides: the folders tell them apart; two
+    folders of one name get their parent folder."""
     runs = [write_run(tmp_path / "x1", RUN_A, "same"), write_run(tmp_path / "x2", RUN_B, "same")]
     md = compare_runs(runs, tmp_path / "out").read_text()
-    assert "| same (x1) |" in md and "| same (x2) |" in md
+    assert "| x1 |" in md and "| x2 |" in md and "| same" not in md
+    runs = [write_run(tmp_path / p / "arm", RUN_A, "arm") for p in ("study1", "study2")]
+    md = compare_runs(runs, tmp_path / "out2").read_text()
+    assert "| study1/arm |" in md and "| study2/arm |" in md
 
 
 def test_clear_errors_for_folders_that_are_not_runs(tmp_path):

@@ -160,9 +160,13 @@ def default_target(curves: Sequence[RunCurve]) -> float:
 
 
 def _labels(curves: Sequence[RunCurve]) -> list[str]:
-    """Run names, with the folder added where two runs share a name."""
-    names = [c.name for c in curves]
-    return [f"{c.name} ({c.path.name})" if names.count(c.name) > 1 else c.name for c in curves]
+    """Each run's folder name (chosen when it was run; a config name alone misleads when runs
+    differ only by --set overrides), with its parent folder where two share a name."""
+    names = [c.path.name for c in curves]
+    return [
+        f"{c.path.parent.name}/{c.path.name}" if names.count(c.path.name) > 1 else c.path.name
+        for c in curves
+    ]
 
 
 def _plot(
@@ -256,7 +260,11 @@ def compare_runs(
                 f"- {label}: no trips/virtual time in its eval records (centralised run): "
                 "listed with its EER, left out of the plots."
             )
-    md += ["", "Runs:", *(f"- {lab}: `{c.path}`" for c, lab in zip(curves, labels, strict=True))]
+    md += [
+        "",
+        "Runs:",
+        *(f"- {lab}: `{c.path}` (config {c.name})" for c, lab in zip(curves, labels, strict=True)),
+    ]
     if notes:
         md += ["", "Notes:", *notes]
     md += [
