@@ -251,6 +251,8 @@ def test_group_sampling_draws_take_rows_per_group_fresh_each_epoch_and_trip() ->
     pop = Population(store, [np.arange(8), np.arange(8, 14)], seed=3, groups=groups, take=take)
     assert pop.num_examples(0) == 3 and pop.num_examples(1) == 3
     assert list(pop.examples()) == [3, 3]
+    pop.examples()[0] = 99  # a copy: the caller cannot change what the population draws
+    assert pop.num_examples(0) == 3
     seen = set()
     for trip in range(20):
         batches = pop.batch_indices(0, trip, batch_size=2, epochs=2)

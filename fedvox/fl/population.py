@@ -117,8 +117,9 @@ class Population:
         return int(self._per_epoch[client_id])
 
     def examples(self) -> np.ndarray:
-        """Number of examples of every client (one array, for weighting and delay scaling)."""
-        return self._per_epoch
+        """Number of examples of every client (one array, for weighting and delay scaling; a
+        copy, so a caller cannot change what the population draws)."""
+        return self._per_epoch.copy()
 
     def rng(self, purpose: int, client_id: int, trip: int) -> np.random.Generator:
         return derived_rng(self.seed, purpose, client_id, trip)
