@@ -433,7 +433,7 @@ def make_speaker_recon_update(
             "set closed_form = true (steps = 0, or a few refinement steps)",
         )
     if cache_size < 1:
-        raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 4")
+        raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 256")
     cache: OrderedDict[int, tuple[weakref.ref, Tensor]] = OrderedDict()
 
     def client_update(
