@@ -17,6 +17,7 @@ from fedvox.fl.algorithms import (
 from fedvox.fl.client import ClientConfig, ClientResults, ModuleTask, Task, train_clients
 from fedvox.fl.clock import DelayModel, EventQueue, diurnal_availability
 from fedvox.fl.population import Population, derived_rng
+from fedvox.fl.recon import ReconConfig, make_recon_update, recon_eval
 from fedvox.fl.server_opt import (
     ServerAdagrad,
     ServerAdam,
@@ -40,6 +41,7 @@ __all__ = [
     "FedBuff",
     "ModuleTask",
     "Population",
+    "ReconConfig",
     "ServerAdagrad",
     "ServerAdam",
     "ServerOptimizer",
@@ -54,7 +56,9 @@ __all__ = [
     "derived_rng",
     "diurnal_availability",
     "make_algorithm",
+    "make_recon_update",
     "make_server_optimizer",
+    "recon_eval",
     "staleness_weight",
     "train_clients",
     "weighted_sum",
