@@ -10,9 +10,7 @@ from scipy.stats import norm as normal
 
 from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import Aggregator
-from fedvox.fl.population import derived_rng
 from fedvox.privacy.dp import (
-    PURPOSE_DP_NOISE,
     AdaptiveClip,
     FixedClip,
     GaussianNoise,
@@ -23,6 +21,7 @@ from fedvox.privacy.dp import (
     update_noise_multiplier,
 )
 from fedvox.privacy.tree import TreeNoise, dyadic_nodes
+from fedvox.rng import Purpose, derived_rng
 
 
 def _deltas(gen, k, shapes=((3, 4), (5,))):
@@ -175,7 +174,7 @@ def test_aggregator_end_to_end_sum_is_clipped_plus_noise():
     total, weight, count = agg.result()
     factor = (1.0 / client_norms(deltas)).clamp(max=1).float()
     clipped = {n: d * factor.reshape(-1, *[1] * (d.dim() - 1)) for n, d in deltas.items()}
-    noise = gaussian_like(total, 0.8 * 1.0, derived_rng(9, PURPOSE_DP_NOISE, 0))
+    noise = gaussian_like(total, 0.8 * 1.0, derived_rng(9, Purpose.DP_NOISE, 0))
     for n in total:
         assert torch.allclose(total[n], clipped[n].sum(0) + noise[n], atol=1e-5)
     assert (weight, count) == (6.0, 6)

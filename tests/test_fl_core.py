@@ -29,7 +29,7 @@ from fedvox.fl import (
     make_server_optimizer,
     staleness_weight,
 )
-from fedvox.fl.population import PURPOSE_DELAY
+from fedvox.rng import Purpose
 
 # -- population -------------------------------------------------------------------------
 
@@ -66,7 +66,7 @@ def test_client_without_data_is_refused() -> None:
 def test_delay_distributions_have_their_mean(dist: str) -> None:
     model = DelayModel(dist, mean=2.0)
     draws = [
-        model.sample(0, 1, 1.0, np.random.default_rng([7, PURPOSE_DELAY, i])) for i in range(4000)
+        model.sample(0, 1, 1.0, np.random.default_rng([7, Purpose.DELAY, i])) for i in range(4000)
     ]
     assert min(draws) >= 0
     assert np.mean(draws) == pytest.approx(2.0, rel=0.06)

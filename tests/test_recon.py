@@ -131,10 +131,10 @@ class SpyUpdate:
 
     def __call__(self, task, population, jobs, starts, cfg):
         # the local params each client reconstructs in this trip (same streams as training)
-        from fedvox.fl.recon import PURPOSE_RECON_INIT, _torch_generator
+        from fedvox.rng import Purpose, torch_generator
 
         for c, t in jobs:
-            gen = _torch_generator(population.seed, PURPOSE_RECON_INIT, c, t)
+            gen = torch_generator(population.seed, Purpose.RECON_INIT, c, t)
             self.local.append(task.init_local([c], gen)["user_emb"][0])
         return self.update(task, population, jobs, starts, cfg)
 

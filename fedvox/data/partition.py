@@ -39,8 +39,8 @@ import numpy as np
 
 from fedvox.atomic import atomic_write_text
 from fedvox.errors import ConfigError, DataError
+from fedvox.rng import Purpose, derived_rng
 
-PURPOSE_PARTITION = 0x9A27
 SCHEMES = ("speaker", "k_speakers", "dirichlet", "quantity_skew")
 FORMAT = "fedvox.partition/1"
 _FIELD = "federated.partition."
@@ -299,7 +299,7 @@ def partition_corpus(
             f"n_clients={cfg.n_clients} exceeds the {total} training utterances",
             f"use n_clients <= {total}",
         )
-    rng = np.random.default_rng(np.random.SeedSequence([seed, PURPOSE_PARTITION]))
+    rng = derived_rng(seed, Purpose.PARTITION)
     if cfg.scheme == "speaker":
         clients = _speaker_scheme(by_spk, cfg)
     elif cfg.scheme == "k_speakers":

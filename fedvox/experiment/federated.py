@@ -41,6 +41,7 @@ from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import speaker_losses
 from fedvox.progress import task_progress
+from fedvox.rng import Purpose, derived_seed
 from fedvox.tasks.speakers import (
     FedAwS,
     FedAwSTask,
@@ -50,11 +51,10 @@ from fedvox.tasks.speakers import (
     public_speaker_store,
     speaker_population,
 )
-from fedvox.training.centralised import PURPOSE_INIT, set_determinism
+from fedvox.training.centralised import set_determinism
 from fedvox.training.chunks import fixed_chunks, sliding_chunks
 
 PARTITION_FILE = "partition.json"
-PURPOSE_CODEWORDS = 0xC0DE
 TRIPS_FILE = "trips.jsonl"
 
 
@@ -136,7 +136,7 @@ class SpeakerTask(nn.Module):
 def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module:
     """The extractor with batch-independent LayerNorm (vmap over clients cannot carry
     BatchNorm statistics) unless the config names a norm; seeded from the run seed."""
-    torch.manual_seed(np.random.SeedSequence([cfg.seed, PURPOSE_INIT]).generate_state(1)[0])
+    torch.manual_seed(derived_seed(cfg.seed, Purpose.INIT, bits=32))
     kw = {} if cfg.model.embedding_layer is None else {"embedding_layer": cfg.model.embedding_layer}
     extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **kw)
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in extractor.modules()):
@@ -223,9 +223,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         else:
             task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
             if f.speakers == "codewords":
-                task.fix_head(
-                    np.random.SeedSequence([cfg.seed, PURPOSE_CODEWORDS]).generate_state(1)[0]
-                )
+                task.fix_head(derived_seed(cfg.seed, Purpose.CODEWORDS, bits=32))
     spread = {
         "nu": f.fedaws.nu,
         "spread_lr": f.fedaws.spread_lr,

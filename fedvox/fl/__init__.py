@@ -16,7 +16,7 @@ from fedvox.fl.algorithms import (
 )
 from fedvox.fl.client import ClientConfig, ClientResults, ModuleTask, Task, train_clients
 from fedvox.fl.clock import DelayModel, EventQueue, diurnal_availability
-from fedvox.fl.population import Population, derived_rng
+from fedvox.fl.population import Population
 from fedvox.fl.recon import ReconConfig, make_recon_update, recon_eval
 from fedvox.fl.server_opt import (
     ServerAdagrad,
@@ -53,7 +53,6 @@ __all__ = [
     "Task",
     "broadcast",
     "client_delta",
-    "derived_rng",
     "diurnal_availability",
     "make_algorithm",
     "make_recon_update",

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-Params = dict[str, Tensor]
+from fedvox.types import Params
 
 
 def broadcast(versions: dict[int, Params], version: int, names: Sequence[str]) -> Params:

@@ -19,9 +19,8 @@ from torch.func import functional_call, grad, vmap
 from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import stack
 from fedvox.fl.population import Population
+from fedvox.types import Batch, Params
 
-Params = dict[str, Tensor]
-Batch = dict[str, Tensor]
 LossFn = Callable[[Params, Batch], Tensor]
 
 

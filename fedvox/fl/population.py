@@ -15,17 +15,7 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-
-# Purposes keep independent random streams apart: (seed, purpose, client, trip) -> stream.
-PURPOSE_BATCHES = 1
-PURPOSE_DELAY = 2
-PURPOSE_DROPOUT = 3
-PURPOSE_SELECT = 4
-
-
-def derived_rng(seed: int, purpose: int, *ids: int) -> np.random.Generator:
-    """A generator that depends only on (seed, purpose, ids), never on call order."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, purpose, *ids])))
+from fedvox.rng import Purpose, derived_rng
 
 
 class Population:
@@ -134,7 +124,7 @@ class Population:
     ) -> list[np.ndarray]:
         """Store rows of each local batch: a fresh shuffle per epoch, last batch may be short."""
         if rng is None:
-            rng = self.rng(PURPOSE_BATCHES, client_id, trip)
+            rng = self.rng(Purpose.BATCHES, client_id, trip)
         rows = self.order[self.offsets[client_id] : self.offsets[client_id + 1]]
         out: list[np.ndarray] = []
         for _ in range(epochs):

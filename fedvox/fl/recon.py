@@ -26,17 +26,9 @@ from fedvox.fl.client import (
     _pad,
     sgd_step_,
 )
-from fedvox.fl.population import PURPOSE_BATCHES, Population, derived_rng
-
-Params = dict[str, Tensor]
-Batch = dict[str, Tensor]
-MetricFn = Callable[[Params, Batch], dict[str, Tensor]]
-
-# Random streams of their own (population.py uses 1-4): fresh local parameters per trip, and
-# the support/query split and local initialisation of RECONEVAL.
-PURPOSE_RECON_INIT = 5
-PURPOSE_RECON_EVAL = 6
-PURPOSE_RECON_EVAL_INIT = 7
+from fedvox.fl.population import Population
+from fedvox.rng import Purpose, derived_rng, torch_generator
+from fedvox.types import Batch, MetricFn, Params
 
 SPLITS = ("even_odd", "all", "fraction", "groups")
 GROUP_FIELD = "group"  # store field naming each example's group (e.g. its recording)
@@ -197,11 +189,6 @@ def split_client(
     return Split(support, query, len(q_rows))
 
 
-def _torch_generator(seed: int, purpose: int, *ids: int) -> torch.Generator:
-    state = np.random.SeedSequence([seed, purpose, *ids]).generate_state(1, np.uint64)[0]
-    return torch.Generator().manual_seed(int(state))
-
-
 def _init_locals(
     task: ReconTask, clients: Sequence[int], gens: Sequence[torch.Generator]
 ) -> Params:
@@ -343,7 +330,7 @@ def train_clients_recon(
     _check_task(task, recon)
     names = list(starts[0])
     clients = [c for c, _ in jobs]
-    gens = [_torch_generator(population.seed, PURPOSE_RECON_INIT, c, t) for c, t in jobs]
+    gens = [torch_generator(population.seed, Purpose.RECON_INIT, c, t) for c, t in jobs]
     local0 = _init_locals(task, clients, gens)
     clash = sorted(set(local0) & set(names))
     if clash:
@@ -352,7 +339,7 @@ def train_clients_recon(
         )
     splits = [
         split_client(
-            population, c, population.rng(PURPOSE_BATCHES, c, t), cfg.batch_size, cfg.epochs, recon
+            population, c, population.rng(Purpose.BATCHES, c, t), cfg.batch_size, cfg.epochs, recon
         )
         for c, t in jobs
     ]
@@ -475,7 +462,7 @@ def _eval_splits(
 ) -> list[Split]:
     return [
         split_client(
-            population, c, derived_rng(seed, PURPOSE_RECON_EVAL, c), cfg.batch_size, 1, recon
+            population, c, derived_rng(seed, Purpose.RECON_EVAL, c), cfg.batch_size, 1, recon
         )
         for c in clients
     ]
@@ -514,7 +501,7 @@ def _reconstruct_many(
     recon: ReconConfig,
     seed: int,
 ) -> Params:
-    gens = [_torch_generator(seed, PURPOSE_RECON_EVAL_INIT, c) for c in clients]
+    gens = [torch_generator(seed, Purpose.RECON_EVAL_INIT, c) for c in clients]
     local0 = _init_locals(task, clients, gens)
     k = len(clients)
     if not local0:

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-
-Params = dict[str, Tensor]
+from fedvox.types import Params
 
 
 def _positive(field: str, value: float) -> None:

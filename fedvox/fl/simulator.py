@@ -14,22 +14,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 
 from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import Aggregator, NoiseStage, Summer, SumStage
 from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.client import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
-from fedvox.fl.population import (
-    PURPOSE_DELAY,
-    PURPOSE_DROPOUT,
-    PURPOSE_SELECT,
-    Population,
-    derived_rng,
-)
+from fedvox.fl.population import Population
+from fedvox.rng import Purpose, derived_rng
+from fedvox.types import Params
 
-Params = dict[str, Tensor]
 Record = dict[str, Any]
 # (task, population, jobs [(client, trip)], starting params per job, client config) -> results
 ClientUpdate = Callable[
@@ -216,7 +210,7 @@ class Simulator:
         return {t["client"] for t in self.in_flight.values()}
 
     def _select_one(self, time: float) -> int | None:
-        rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
+        rng = derived_rng(self.config.seed, Purpose.SELECT, self.counters["selections"])
         self.counters["selections"] += 1
         n = self.population.num_clients
         if self.config.once_per_epoch and len(self._blocked()) >= n:
@@ -233,7 +227,7 @@ class Simulator:
         return int(rng.choice(eligible)) if eligible else None
 
     def _select_cohort(self, time: float, m: int) -> list[int]:
-        rng = derived_rng(self.config.seed, PURPOSE_SELECT, self.counters["selections"])
+        rng = derived_rng(self.config.seed, Purpose.SELECT, self.counters["selections"])
         self.counters["selections"] += 1
         n = self.population.num_clients
         if self.config.once_per_epoch and n - len(self._blocked()) < m:
@@ -252,13 +246,13 @@ class Simulator:
         self.client_trips[client] = trip + 1
         if self.config.once_per_epoch:
             self.used.add(client)
-        rng = derived_rng(self.config.seed, PURPOSE_DELAY, client, trip)
+        rng = derived_rng(self.config.seed, Purpose.DELAY, client, trip)
         duration = self.config.delay.sample(
             client, int(self.examples[client]), self.mean_examples, rng
         )
         dropped = False
         if self.config.dropout > 0:
-            drng = derived_rng(self.config.seed, PURPOSE_DROPOUT, client, trip)
+            drng = derived_rng(self.config.seed, Purpose.DROPOUT, client, trip)
             dropped = bool(drng.random() < self.config.dropout)
         version = self.server_step
         self.refs[version] = self.refs.get(version, 0) + 1

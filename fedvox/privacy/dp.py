@@ -15,12 +15,8 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-from fedvox.fl.aggregation import Params
-from fedvox.fl.population import derived_rng
-
-# Purposes keep independent random streams apart: (seed, purpose, step) -> stream.
-PURPOSE_DP_NOISE = 0xD9A0
-PURPOSE_CLIP_COUNT = 0xD9A1
+from fedvox.rng import Purpose, derived_rng
+from fedvox.types import Params
 
 
 def client_norms(deltas: Params) -> Tensor:
@@ -185,7 +181,7 @@ class AdaptiveClip(FixedClip):
         unclipped = float((norms <= self.clip_norm).double().sum())
         noise = 0.0
         if self.count_noise_std > 0:
-            noise = float(derived_rng(self.seed, PURPOSE_CLIP_COUNT, step).normal())
+            noise = float(derived_rng(self.seed, Purpose.CLIP_COUNT, step).normal())
             noise *= self.count_noise_std
         m = float(self.denominator) if self.denominator is not None else float(n)
         b_bar = (unclipped - n / 2 + noise) / m + 0.5
@@ -203,7 +199,7 @@ class AdaptiveClip(FixedClip):
 class GaussianNoise:
     """NoiseStage: add N(0, (z·S)²) to every coordinate of the sum, S = the clip norm in effect.
 
-    Noise for server step k derives from (seed, PURPOSE_DP_NOISE, k). `public_weight`, when
+    Noise for server step k derives from (seed, Purpose.DP_NOISE, k). `public_weight`, when
     given, replaces the realised Σw_i in the output: with Poisson sampling the realised count
     is itself private, so the mean must divide by a public constant (McMahan et al. 2018).
     """
@@ -232,7 +228,7 @@ class GaussianNoise:
         return self.noise_multiplier * self.clip.clip_norm
 
     def __call__(self, total: Params, weight: float, count: int) -> tuple[Params, float]:
-        rng = derived_rng(self.seed, PURPOSE_DP_NOISE, self.step)
+        rng = derived_rng(self.seed, Purpose.DP_NOISE, self.step)
         self.step += 1
         noise = gaussian_like(total, self.noise_std, rng)
         noisy = {n: total[n] + noise[n] for n in total}

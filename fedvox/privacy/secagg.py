@@ -34,13 +34,8 @@ from torch import Tensor
 
 from fedvox.errors import ConfigError, FedvoxError
 from fedvox.privacy import shamir
-
-Params = dict[str, Tensor]
-
-# Purposes keep the public random streams of one call apart: (seed, purpose, call, client).
-PURPOSE_ROUNDING = 0x5A61
-PURPOSE_DROPOUT = 0x5A62
-PURPOSE_GRAPH = 0x5A63
+from fedvox.rng import Purpose, derived_rng
+from fedvox.types import Params
 
 KEY_BYTES = 32
 SHARE_BYTES = shamir.share_size(KEY_BYTES)
@@ -813,13 +808,13 @@ class SecureSum:
         self.calls = int(state["calls"])
 
     def _rng(self, purpose: int, *ids: int) -> np.random.Generator:
-        return np.random.default_rng(np.random.SeedSequence([self.seed, purpose, *ids]))
+        return derived_rng(self.seed, purpose, *ids)
 
     def protocol_params(self, n: int, dim: int, call: int) -> ProtocolParams:
         """The public parameters of call `call` over n clients with `dim` coordinates."""
         cfg = self.config
         k = cfg.neighbour_count(n)
-        graph = neighbour_graph(n, k, self._rng(PURPOSE_GRAPH, call))
+        graph = neighbour_graph(n, k, self._rng(Purpose.SECAGG_GRAPH, call))
         t = cfg.group_threshold(min(len(g) for g in graph) + 1)
         session = hashlib.sha256(b"fedvox/secagg/session-id" + _session_secret(self.seed, call))
         return ProtocolParams(n, t, dim, cfg.modulus_bits, graph, session.digest()[:16])
@@ -842,12 +837,12 @@ class SecureSum:
 
         drops: dict[int, str] = {}
         if cfg.dropout > 0:
-            u = self._rng(PURPOSE_DROPOUT, call).random(n)
+            u = self._rng(Purpose.SECAGG_DROPOUT, call).random(n)
             drops = {i: cfg.dropout_after for i in range(n) if u[i] < cfg.dropout}
 
         def inputs(i: int) -> np.ndarray:
             flat = torch.cat([deltas[name][i].detach().reshape(-1) for name in names])
-            rng = self._rng(PURPOSE_ROUNDING, call, i)
+            rng = self._rng(Purpose.SECAGG_ROUNDING, call, i)
             return encode(flat.to(torch.float64).cpu().numpy(), float(w[i]), cfg, rng)
 
         root = _session_secret(self.seed, call)

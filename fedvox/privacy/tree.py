@@ -27,11 +27,9 @@ from typing import Any
 import torch
 
 from fedvox.errors import ConfigError
-from fedvox.fl.aggregation import Params
-from fedvox.fl.population import derived_rng
 from fedvox.privacy.dp import gaussian_like
-
-PURPOSE_TREE_NOISE = 0xD9A2
+from fedvox.rng import Purpose, derived_rng
+from fedvox.types import Params
 
 
 def dyadic_nodes(t: int) -> list[tuple[int, int]]:
@@ -52,7 +50,7 @@ def tree_depth(steps: int) -> int:
 class TreeNoise:
     """NoiseStage: DP-FTRL tree noise, N(0, σ²) per node, σ = z·S on the sum, added differenced.
 
-    Node (restart r, level, index) derives its noise from (seed, PURPOSE_TREE_NOISE, r,
+    Node (restart r, level, index) derives its noise from (seed, Purpose.TREE_NOISE, r,
     level, index), so state is only the step within the tree and the restart count.
     `restart()` starts a new tree (the server calls it, e.g. at each epoch end); it also
     happens automatically before a step once the tree has `restart_every` steps.
@@ -99,7 +97,7 @@ class TreeNoise:
 
     def node_noise(self, like: Params, level: int, index: int, tree: int | None = None) -> Params:
         r = self.restarts if tree is None else tree
-        rng = derived_rng(self.seed, PURPOSE_TREE_NOISE, r, level, index)
+        rng = derived_rng(self.seed, Purpose.TREE_NOISE, r, level, index)
         return gaussian_like(like, self.noise_std, rng)
 
     def cumulative_noise(self, t: int, like: Params, tree: int | None = None) -> Params:

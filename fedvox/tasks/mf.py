@@ -16,16 +16,10 @@ from torch import Tensor
 
 from fedvox.errors import ConfigError, DataError
 from fedvox.fl.population import Population
-
-Params = dict[str, Tensor]
-Batch = dict[str, Tensor]
+from fedvox.rng import Purpose, derived_rng
+from fedvox.types import Batch, Params
 
 # (seed, purpose) streams of this module
-PURPOSE_SYNTH = 0x3F1
-PURPOSE_USER_SPLIT = 0x3F2
-PURPOSE_SEEN_SPLIT = 0x3F3
-PURPOSE_ITEM_INIT = 0x3F4
-PURPOSE_CENTRAL = 0x3F5
 
 
 class Ratings(NamedTuple):
@@ -34,10 +28,6 @@ class Ratings(NamedTuple):
     user: np.ndarray  # int64
     item: np.ndarray  # int64
     rating: np.ndarray  # float32
-
-
-def _rng(seed: int, purpose: int) -> np.random.Generator:
-    return np.random.default_rng([seed, purpose])
 
 
 def synthetic_ratings(
@@ -67,7 +57,7 @@ def synthetic_ratings(
             f"{ratings_per_user} is not within 1..n_items={n_items}",
             "use fewer ratings per user or more items",
         )
-    rng = _rng(seed, PURPOSE_SYNTH)
+    rng = derived_rng(seed, Purpose.MF_SYNTH)
     u = rng.normal(size=(n_users, rank))
     v = rng.normal(size=(n_items, rank))
     b_item = rng.normal(scale=0.3, size=n_items)
@@ -139,7 +129,7 @@ def split_users(
     """TFF's user split: (train, val, test) user ids, disjoint, sorted, reproducible from seed."""
     if len(fractions) != 3 or min(fractions) < 0 or abs(sum(fractions) - 1) > 1e-6:
         raise ConfigError("split.fractions", f"need 3 fractions summing to 1, got {fractions}")
-    perm = _rng(seed, PURPOSE_USER_SPLIT).permutation(n_users)
+    perm = derived_rng(seed, Purpose.MF_USER_SPLIT).permutation(n_users)
     a = round(fractions[0] * n_users)
     b = a + round(fractions[1] * n_users)
     return np.sort(perm[:a]), np.sort(perm[a:b]), np.sort(perm[b:])
@@ -157,7 +147,7 @@ def split_seen(
     when the user has two or more), for the centralised baseline on seen users."""
     if not 0 < holdout < 1:
         raise ConfigError("split.holdout", f"must be in (0, 1), got {holdout}", "use 0.2")
-    rng = _rng(seed, PURPOSE_SEEN_SPLIT)
+    rng = derived_rng(seed, Purpose.MF_SEEN_SPLIT)
     order = np.argsort(ratings.user, kind="stable")
     bounds = np.flatnonzero(np.diff(ratings.user[order])) + 1
     train, test = [], []
@@ -219,7 +209,9 @@ class MFTask:
         self.init_scale, self.mean, self.ridge, self.seed = init_scale, mean, ridge, seed
 
     def init_params(self) -> Params:
-        g = torch.Generator().manual_seed(int(_rng(self.seed, PURPOSE_ITEM_INIT).integers(2**62)))
+        g = torch.Generator().manual_seed(
+            int(derived_rng(self.seed, Purpose.MF_ITEM_INIT).integers(2**62))
+        )
         p = {
             "item_emb": self.init_scale * torch.randn(self.n_items, self.dim, generator=g),
             "global_bias": torch.tensor(float(self.mean)),
@@ -289,7 +281,9 @@ def centralised_mf(
     """The centralised baseline: MF with one embedding row per user, Adam on pooled ratings,
     evaluated on held-out ratings of the SAME (seen) users. `l2` adds l2·(‖u‖² + ‖v‖²) per
     example. Returns (params with user_emb [n_users, dim], {"rmse", "accuracy"} on test)."""
-    torch_gen = torch.Generator().manual_seed(int(_rng(seed, PURPOSE_CENTRAL).integers(2**62)))
+    torch_gen = torch.Generator().manual_seed(
+        int(derived_rng(seed, Purpose.MF_CENTRAL).integers(2**62))
+    )
     params = task.init_params()
     local = task.init_local(range(n_users), torch_gen)
     params.update(local)
@@ -298,7 +292,7 @@ def centralised_mf(
     user = torch.from_numpy(train.user)
     item = torch.from_numpy(train.item)
     rating = torch.from_numpy(train.rating)
-    rng = _rng(seed, PURPOSE_CENTRAL + 1)
+    rng = derived_rng(seed, Purpose.MF_CENTRAL_BATCHES)
     for _ in range(epochs):
         perm = torch.from_numpy(rng.permutation(len(user)))
         for i in range(0, len(perm), batch_size):

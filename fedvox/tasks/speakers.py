@@ -55,9 +55,7 @@ from fedvox.fl.population import Population
 from fedvox.fl.recon import ReconConfig, train_clients_recon
 from fedvox.fl.server_opt import ServerOptimizer
 from fedvox.training.chunks import fixed_chunks
-
-Params = dict[str, Tensor]
-Batch = dict[str, Tensor]
+from fedvox.types import Batch, Params
 
 EXTRACTOR = "extractor."  # prefix of the global (extractor) parameter names
 PROTOTYPES = "prototypes"  # the local parameter: [max_local, emb_dim] per client

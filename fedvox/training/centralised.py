@@ -20,10 +20,8 @@ from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import train_step
 from fedvox.progress import training_progress
+from fedvox.rng import Purpose, derived_rng, derived_seed
 from fedvox.training.chunks import ChunkSampler
-
-PURPOSE_INIT = 0x1417
-PURPOSE_CHUNKS = 0xC4C5
 
 
 def set_determinism(threads: int) -> None:
@@ -36,7 +34,7 @@ def build_models(
     cfg: ExperimentConfig, feat_dim: int, n_speakers: int
 ) -> tuple[nn.Module, AAMSoftmax]:
     """Extractor and AAM head, initialised from (seed, "init") only."""
-    torch.manual_seed(np.random.SeedSequence([cfg.seed, PURPOSE_INIT]).generate_state(1)[0])
+    torch.manual_seed(derived_seed(cfg.seed, Purpose.INIT, bits=32))
     overrides = {}
     if cfg.model.embedding_layer is not None:
         overrides["embedding_layer"] = cfg.model.embedding_layer
@@ -100,7 +98,7 @@ def init_training(
     set_determinism(cfg.train.threads)
     extractor, head = build_models(cfg, feats[0].shape[1], n_speakers)
     opt = make_optimizer([*extractor.parameters(), *head.parameters()], cfg.train)
-    rng = np.random.default_rng([cfg.seed, PURPOSE_CHUNKS])
+    rng = derived_rng(cfg.seed, Purpose.CHUNKS)
     sampler = ChunkSampler(feats, labels, cfg.train.batch_size, tuple(cfg.train.chunk_frames), rng)
     return TrainState(extractor, head, opt, sampler)
 

@@ -15,8 +15,7 @@ from torch import Tensor
 
 from fedvox.errors import ConfigError
 from fedvox.fl.server_opt import ServerOptimizer, ServerSGD
-
-Params = dict[str, Tensor]
+from fedvox.types import Params
 
 STALENESS_KINDS = ("constant", "sqrt", "polynomial", "hinge")
 

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-from fedvox.fl.algorithms.base import Algorithm, Params
+from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.server_opt import ServerOptimizer
+from fedvox.types import Params
 
 WEIGHTINGS = ("examples", "uniform")
 
