@@ -98,8 +98,8 @@ GOLDEN: dict[str, dict] = {
         "eer": {"asnorm": 0.4166666667, "cosine": 0.5, "plda": 0.4814814815},
     },
     "fedavg-recon-dpftrl-secagg": {
-        "weights_sha256": "aca026911d77368b9ee8e1afe2e0b7ea2770a213deecead9b516828157502d71",
-        "eer": {"asnorm": 0.3703703704, "cosine": 0.3518518519, "plda": 0.3888888889},
+        "weights_sha256": "a0cc5f9d5ba7f0353a397108157da017fd16867c278f50eb43f661550368aaaa",
+        "eer": {"asnorm": 0.3703703704, "cosine": 0.3703703704, "plda": 0.25},
     },
     "fedbuff-fedaws": {
         "weights_sha256": "9696a8493adb0b4902b835022ac0d89e6f44d7a6c50514f8efd537a36a0746f2",

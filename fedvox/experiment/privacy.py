@@ -16,9 +16,8 @@ from fedvox.privacy.accounting import PrivacyAccountant, check_dp_setup
 from fedvox.privacy.dp import AdaptiveClip, FixedClip, GaussianNoise, combined_noise_multiplier
 from fedvox.privacy.secagg import SecAggConfig, SecureSum
 from fedvox.privacy.tree import TreeNoise
+from fedvox.rng import Purpose, derived_seed
 
-# Seeds of the privacy stages derive from the run seed and these offsets (independent streams).
-SEED_CLIP, SEED_NOISE, SEED_SECAGG = 0x51, 0x52, 0x53
 # SecAgg's fixed-point resolution: the most bits (≤ this) whose ring still holds the cohort.
 MAX_SCALE_BITS = 22
 
@@ -95,7 +94,7 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
                 p.target_quantile,
                 learning_rate=p.clip_lr,
                 count_noise_std=p.count_noise_std,
-                seed=seed + SEED_CLIP,
+                seed=seed,
             )
             pipe.noise_multiplier = combined_noise_multiplier(p.noise_multiplier, p.count_noise_std)
         else:
@@ -103,9 +102,9 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             pipe.noise_multiplier = p.noise_multiplier
         pipe.stages.append(clip)
         if p.mechanism == "gaussian":
-            pipe.noise.append(GaussianNoise(p.noise_multiplier, clip, seed=seed + SEED_NOISE))
+            pipe.noise.append(GaussianNoise(p.noise_multiplier, clip, seed=seed))
         else:
-            pipe.noise.append(TreeNoise(p.noise_multiplier * p.clip_norm, seed=seed + SEED_NOISE))
+            pipe.noise.append(TreeNoise(p.noise_multiplier * p.clip_norm, seed=seed))
     if p.secure_aggregation:
         max_weight = 1.0
         if weighting == "examples":
@@ -126,8 +125,8 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             max_weight=max_weight,
             neighbours=p.secagg_neighbours,
             dropout=p.secagg_dropout,
-            seed=seed + SEED_SECAGG,
+            seed=derived_seed(seed, Purpose.SECAGG_SESSION),
         )
         config.check_capacity(cohort)
-        pipe.summer = SecureSum(config, seed=seed + SEED_SECAGG)
+        pipe.summer = SecureSum(config)
     return pipe
