@@ -1,6 +1,6 @@
 # fedvox — two commands on a fresh machine:
 #   make demo   generate the embedded corpus, train, evaluate, write a report
-#   make test   run the test suite
+#   make test   lint (ruff, import layers) and run the test suite
 # Each installs what it needs into .venv first (torch pinned to the local CPU wheel).
 
 PYTHON ?= python3
@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 lint: $(STAMP)
