@@ -82,3 +82,30 @@ def test_shipped_configs_validate() -> None:
     for p in configs:
         cfg = load_config(p)
         assert cfg.name == p.stem
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        ({"buffer_size": 20, "concurrency": 10, "algorithm": "fedbuff"}, "federated.buffer_size"),
+        ({"delay": "uniform", "delay_mean_s": 1.0, "dropout": 0.2}, None),
+    ],
+)
+def test_engine_rules_fail_at_load_under_the_toml_path(override: dict, path: str | None) -> None:
+    d = {"federated": override}
+    if path is None:
+        config_from_dict(d)  # valid engine settings load
+        return
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(d, source="x.toml")
+    assert err.value.field.startswith(path)
+    assert "x.toml" in str(err.value)
+
+
+def test_engine_error_is_renamed_to_the_key_the_user_wrote() -> None:
+    from fedvox.experiment.config import FederatedSection
+
+    section = FederatedSection.model_construct(**{**FederatedSection().__dict__, "local_lr": -1.0})
+    with pytest.raises(ConfigError) as err:
+        section.client_config()
+    assert err.value.field == "federated.local_lr"  # the engine calls it client.lr

@@ -119,10 +119,10 @@ def test_federated_sigkill_resume_is_bit_identical(tmp_path: Path, cache: Path) 
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("federated.buffer_size=9", "federated"),
+        ("federated.buffer_size=9", "field 'federated.buffer_size'"),
         ('federated.algorithm="fedsgd"', "federated.algorithm"),
-        ("federated.local_lr=-0.1", "federated.local_lr"),
-        ("federated.concurrency=50", "concurrency"),
+        ("federated.local_lr=-0.1", "field 'federated.local_lr'"),
+        ("federated.concurrency=50", "field 'federated.concurrency'"),
         ('federated.partition.scheme="dirichlet"', "federated.partition"),
     ],
 )

@@ -9,12 +9,35 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedvox.errors import ConfigError
+
+if TYPE_CHECKING:  # engine types, imported lazily so `fedvox config` stays light
+    from fedvox.data.features import FeatureConfig
+    from fedvox.data.partition import PartitionConfig
+    from fedvox.data.synthetic import SyntheticConfig
+    from fedvox.fl import Algorithm, ClientConfig, ReconConfig, ServerOptimizer, SimulatorConfig
+
+
+@contextmanager
+def toml_paths(paths: Mapping[str, str]) -> Iterator[None]:
+    """Re-raise an engine's ConfigError under the TOML path the user wrote.
+
+    Engine objects name their own fields (`client.lr`); a config section that builds one
+    maps those names to its keys (`federated.local_lr`), so the user reads their own words.
+    """
+    try:
+        yield
+    except ConfigError as err:
+        if err.field not in paths:
+            raise
+        raise ConfigError(paths[err.field], err.problem, err.fix, err.source) from None
 
 
 class _Strict(BaseModel):
@@ -41,6 +64,12 @@ class SyntheticSection(_Strict):
         if self.max_duration_s < self.min_duration_s:
             raise ValueError("max_duration_s must be >= min_duration_s")
         return self
+
+    def generator_config(self) -> SyntheticConfig:
+        """The generator's settings (fedvox.data.synthetic) for this table."""
+        from fedvox.data.synthetic import SyntheticConfig
+
+        return SyntheticConfig(**self.model_dump())
 
 
 class DataSection(_Strict):
@@ -77,6 +106,16 @@ class FeaturesSection(_Strict):
     vad: bool = True
     cmn: Literal["sliding", "utterance", "none"] = "sliding"
     cmn_window: int = Field(300, ge=3)
+
+    def feature_config(self) -> FeatureConfig:
+        """The data layer's FeatureConfig for this table (dither off: deterministic)."""
+        from fedvox.data.features import CmnConfig, FbankConfig, FeatureConfig, VadConfig
+
+        return FeatureConfig(
+            fbank=FbankConfig(num_mel_bins=self.num_mel_bins, dither=0.0),
+            vad=VadConfig(enabled=self.vad),
+            cmn=CmnConfig(mode=self.cmn, window=self.cmn_window),
+        )
 
 
 class AugmentSection(_Strict):
@@ -161,6 +200,12 @@ class PartitionSection(_Strict):
     sigma: float = Field(1.0, gt=0, description="quantity-skew spread")
     min_utts: int = Field(1, ge=1)
 
+    def partition_config(self) -> PartitionConfig:
+        """The data layer's PartitionConfig for this table."""
+        from fedvox.data.partition import PartitionConfig
+
+        return PartitionConfig(**self.model_dump())
+
 
 class PrivacySection(_Strict):
     """User-level DP and secure aggregation on the aggregation pipeline (fedvox.privacy).
@@ -210,6 +255,13 @@ class ReconstructionSection(_Strict):
     )
     public_speakers: int = Field(100, ge=2, description="public synthetic negatives (P)")
     public_chunks: int = Field(2, ge=1, description="chunks per public speaker")
+
+    def recon_config(self) -> ReconConfig:
+        """The engine's ReconConfig: closed-form enrollment, then `steps` SGD epochs."""
+        from fedvox.fl import ReconConfig
+
+        with toml_paths(_RECON_PATHS):
+            return ReconConfig(steps=self.steps, lr=self.lr, split=self.split, closed_form=True)
 
 
 class FedAwSSection(_Strict):
@@ -299,12 +351,108 @@ class FederatedSection(_Strict):
             )
         if self.speakers == "fedaws" and self.algorithm == "fedasync":
             raise ValueError("speakers = fedaws runs with fedavg or fedbuff, not fedasync")
-        if self.algorithm == "fedbuff" and self.buffer_size > self.concurrency:
-            raise ValueError(
-                f"buffer_size: K={self.buffer_size} > concurrency C={self.concurrency}: the "
-                "buffer could never fill; use K <= C"
-            )
         return self
+
+    def client_config(self) -> ClientConfig:
+        """Local training of one trip (fedvox.fl.ClientConfig)."""
+        from fedvox.fl import ClientConfig
+
+        with toml_paths(_FEDERATED_PATHS):
+            return ClientConfig(
+                epochs=self.local_epochs,
+                batch_size=self.local_batch_size,
+                lr=self.local_lr,
+                mu=self.mu,
+            )
+
+    def simulator_config(self, seed: int, once_per_epoch: bool = False) -> SimulatorConfig:
+        """The clock and cohort (fedvox.fl.SimulatorConfig)."""
+        from fedvox.fl import DelayModel, SimulatorConfig
+
+        with toml_paths(_FEDERATED_PATHS):
+            return SimulatorConfig(
+                concurrency=self.concurrency,
+                delay=DelayModel(distribution=self.delay, mean=self.delay_mean_s),
+                over_selection=self.over_selection,
+                dropout=self.dropout,
+                seed=seed,
+                once_per_epoch=once_per_epoch,
+            )
+
+    def server_optimizer_object(self) -> ServerOptimizer:
+        """The server optimiser with its warm-up and decay schedule."""
+        from fedvox.fl import make_server_optimizer
+        from fedvox.fl.server_opt import warmup_decay
+
+        kw: dict[str, float] = {"lr": self.server_lr}
+        if self.server_optimizer == "sgd":
+            kw["momentum"] = self.server_momentum
+        else:
+            kw["tau"] = self.server_tau
+        with toml_paths(_FEDERATED_PATHS):
+            opt = make_server_optimizer(self.server_optimizer, **kw)
+        if self.server_warmup_steps or self.server_final_lr is not None:
+            final = (self.server_final_lr or self.server_lr) / self.server_lr
+            opt.schedule = warmup_decay(self.server_warmup_steps, self.server_steps, final)
+        return opt
+
+    def algorithm_object(self, server_opt: ServerOptimizer | None = None) -> Algorithm:
+        """The engine's algorithm (FedAvg, FedBuff or FedAsync), checked against C."""
+        from fedvox.fl import make_algorithm
+
+        if self.algorithm == "fedavg":
+            kw: dict[str, Any] = {"server_opt": server_opt, "weighting": self.weighting}
+        elif self.algorithm == "fedbuff":
+            kw = {
+                "buffer_size": self.buffer_size,
+                "server_opt": server_opt,
+                "staleness": self.staleness,
+                "max_staleness": self.max_staleness,
+            }
+        else:
+            kw = {
+                "alpha": self.async_alpha,
+                "staleness": self.staleness,
+                "max_staleness": self.max_staleness,
+            }
+        with toml_paths(_FEDERATED_PATHS):
+            algorithm = make_algorithm(self.algorithm, **kw)
+            algorithm.validate(self.concurrency)
+        return algorithm
+
+    def check_engine(self) -> None:
+        """Build the engine objects once, so their rules fail at load time under TOML paths."""
+        self.client_config()
+        self.simulator_config(seed=0)
+        self.algorithm_object(self.server_optimizer_object())
+        self.reconstruction.recon_config()
+        self.partition.partition_config()
+
+
+_FEDERATED_PATHS = {
+    "client.epochs": "federated.local_epochs",
+    "client.batch_size": "federated.local_batch_size",
+    "client.lr": "federated.local_lr",
+    "client.mu": "federated.mu",
+    "concurrency": "federated.concurrency",
+    "over_selection": "federated.over_selection",
+    "dropout": "federated.dropout",
+    "clock.delay": "federated.delay",
+    "clock.mean_delay": "federated.delay_mean_s",
+    "server_opt.lr": "federated.server_lr",
+    "server_opt.momentum": "federated.server_momentum",
+    "server_opt.tau": "federated.server_tau",
+    "algorithm.buffer_size": "federated.buffer_size",
+    "algorithm.alpha": "federated.async_alpha",
+    "algorithm.staleness": "federated.staleness",
+    "algorithm.max_staleness": "federated.max_staleness",
+    "algorithm.weighting": "federated.weighting",
+}
+_RECON_PATHS = {
+    "reconstruction.steps": "federated.reconstruction.steps",
+    "reconstruction.lr": "federated.reconstruction.lr",
+    "reconstruction.split": "federated.reconstruction.split",
+}
 
 
 class ExperimentConfig(_Strict):
@@ -351,11 +499,21 @@ def _first_error(err: ValidationError, source: str | None) -> ConfigError:
 
 
 def config_from_dict(d: dict[str, Any], source: str | None = None) -> ExperimentConfig:
-    """Validate a dict into an ExperimentConfig; the first problem becomes a ConfigError."""
+    """Validate a dict into an ExperimentConfig; the first problem becomes a ConfigError.
+
+    The engine's own rules (e.g. FedBuff's K <= C) run here too, through the section
+    adapters, so a bad value fails before any data is prepared.
+    """
     try:
-        return ExperimentConfig.model_validate(d)
+        cfg = ExperimentConfig.model_validate(d)
     except ValidationError as err:
         raise _first_error(err, source) from None
+    if cfg.federated is not None:
+        try:
+            cfg.federated.check_engine()
+        except ConfigError as err:
+            raise ConfigError(err.field, err.problem, err.fix, source) from None
+    return cfg
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> ExperimentConfig:
