@@ -18,6 +18,9 @@ def test_create_writes_config_and_manifest(tmp_path: Path) -> None:
     assert m["config_hash"] == cfg.hash()
     assert m["packages"]["torch"].startswith("2.13")
     assert {"platform", "python", "git", "command"} <= set(m)
+    # bits are promised per vector ISA: the manifest says which one ran
+    assert m["cpu_isa"] == torch.backends.cpu.get_cpu_capability()
+    assert m["cpu_model"] and m["cpu_model"] != "unknown"
     assert run.config() == cfg
     with pytest.raises(FedvoxError, match="already exists"):
         RunFolder.create(tmp_path / "r", cfg)

@@ -47,6 +47,17 @@ def git_commit() -> dict[str, Any]:
         return {"commit": None, "dirty": None}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; else what platform reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """What is needed to rerun and trust a result: versions, platform, commit, config hash, seed."""
     versions = {}
@@ -63,6 +74,9 @@ def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "machine": platform.machine(),
+        # float kernels differ between vector ISAs: same bits are promised on the same ISA
+        "cpu_model": cpu_model(),
+        "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": cfg.train.threads,
         "command": sys.argv,
