@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from fedvox.cli import app
 from fedvox.errors import FedvoxError
-from fedvox.experiment.federated import fixed_chunks
 from fedvox.experiment.prepare import prepare
 from fedvox.experiment.reconeval import (
     load_inputs,
@@ -26,6 +25,7 @@ from fedvox.experiment.reconeval import (
     support_loss,
 )
 from fedvox.experiment.runner import weights_hash
+from fedvox.training.chunks import fixed_chunks
 
 runner = CliRunner()
 

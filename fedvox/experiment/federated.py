@@ -52,45 +52,10 @@ from fedvox.tasks.speakers import (
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
-from fedvox.training.chunks import fixed_chunks, sliding_chunks
+from fedvox.training.chunks import chunk_store
 
 PARTITION_FILE = "partition.json"
 TRIPS_FILE = "trips.jsonl"
-
-
-def chunk_store(
-    feats: dict[str, np.ndarray],
-    utts: list[str],
-    labels: np.ndarray,
-    length: int,
-    hop: int | None = None,
-) -> tuple[dict[str, Tensor], list[np.ndarray], np.ndarray | None]:
-    """One shared store {"x": [N, L, D], "y": [N], "group": [N]} and the chunk rows of each
-    utterance; with `hop`, also how many windows make one epoch of each utterance.
-
-    hop None: non-overlapping fixed chunks (take is None). hop h: every window at a multiple
-    of h, and take[u] = the number of fixed chunks utterance u would have, so a device that
-    draws take[u] windows per recording per epoch (Population groups/take) trains on as much
-    as with fixed chunks, at fresh positions: the random crops the centralised trainer uses.
-    """
-    xs, ys, rows, takes, start = [], [], [], [], 0
-    for u, y in zip(utts, labels, strict=True):
-        f = feats[u]
-        c = fixed_chunks(f, length) if hop is None else sliding_chunks(f, length, hop)
-        takes.append(max(1, len(f) // length))  # what fixed_chunks would give
-        xs.append(c)
-        ys.append(np.full(len(c), y, dtype=np.int64))
-        rows.append(np.arange(start, start + len(c)))
-        start += len(c)
-    store = {
-        "x": torch.from_numpy(np.concatenate(xs)),
-        "y": torch.from_numpy(np.concatenate(ys)),
-        # the recording each chunk comes from (Federated Reconstruction's "groups" split)
-        "group": torch.from_numpy(
-            np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
-        ),
-    }
-    return store, rows, (None if hop is None else np.asarray(takes, dtype=np.int64))
 
 
 class SpeakerTask(nn.Module):
