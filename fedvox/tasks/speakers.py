@@ -29,7 +29,6 @@ simulator's bit-identical resume holds, and they are stop-gradient on the device
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +53,7 @@ from fedvox.fl.client import ClientConfig, ClientResults
 from fedvox.fl.population import Population
 from fedvox.fl.recon import ReconConfig, train_clients_recon
 from fedvox.fl.server_opt import ServerOptimizer
+from fedvox.models.heads import aam_logits, check_margin
 from fedvox.training.chunks import fixed_chunks
 from fedvox.types import Batch, Params
 
@@ -66,8 +66,6 @@ PUBLIC_SEED_OFFSET = 1_000_003  # public speakers: synthetic seed + this (disjoi
 
 # Logit of an absent slot: exp() underflows to 0 against logits of magnitude <= scale.
 _ABSENT = -1.0e4
-# Floor on sin^2 before the square root, as heads.AAMSoftmax (finite gradient at cos = ±1).
-_SIN2_FLOOR = 1e-7
 
 
 def _strip(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -87,26 +85,15 @@ def _emb_dim(extractor: nn.Module, emb_dim: int | None) -> int:
 
 
 class _Margin:
-    """AAM margin state (radians) with heads.AAMSoftmax's formulas, applied to given cosines."""
+    """AAM margin state (radians); the logits are heads.aam_logits of given cosines."""
 
     def set_margin(self, m: float) -> None:
         """Set the angular margin, e.g. from heads.margin_schedule each round."""
-        if not 0.0 <= m < math.pi / 2:
-            raise ConfigError("model.margin", f"margin={m} outside [0, pi/2)", "use 0-0.5")
-        self.margin = float(m)
-        self._cos_m, self._sin_m = math.cos(m), math.sin(m)
-        self._threshold = math.cos(math.pi - m)
-        self._fallback = 1.0 + math.cos(math.pi - m)
+        self.margin = check_margin(m)
 
     def aam_logits(self, cosine: Tensor, is_target: Tensor, scale: float) -> Tensor:
-        """s·cos θ_j, and s·cos(θ_y + m) in the target column (WeSpeaker's fallback past π)."""
-        if self.margin == 0.0:
-            return scale * cosine
-        cos_y = (cosine * is_target).sum(dim=-1, keepdim=True)
-        sin_y = (1.0 - cos_y * cos_y).clamp(min=_SIN2_FLOOR).sqrt()
-        phi = cos_y * self._cos_m - sin_y * self._sin_m
-        phi = torch.where(cos_y > self._threshold, phi, cos_y - self._fallback)
-        return scale * torch.where(is_target, phi, cosine)
+        """s·cos θ_j, and s·cos(θ_y + m) in the target column (heads.aam_logits)."""
+        return aam_logits(cosine, is_target, scale, self.margin)
 
 
 # -- public speakers --------------------------------------------------------------------------
