@@ -14,7 +14,6 @@ from torch import nn
 from torch.func import grad, vmap
 
 from fedvox.errors import ConfigError, DataError
-from fedvox.experiment.federated import SpeakerTask
 from fedvox.models import (
     ECAPATDNN,
     MODEL_PRESETS,
@@ -27,6 +26,7 @@ from fedvox.models import (
     train_step,
 )
 from fedvox.models.xvector import VARIANCE_FLOOR, ChannelLayerNorm, time_mean_std
+from fedvox.tasks.speakers import SpeakerTask
 
 TINY = (32, 32, 32, 32, 64)
 

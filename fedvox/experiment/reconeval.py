@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from fedvox.atomic import atomic_write_text
 from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError, DataError
-from fedvox.eval.metrics import evaluate_scores
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
 from fedvox.experiment.runfolder import RunFolder
@@ -33,6 +32,7 @@ from fedvox.tasks.speakers import (
     enrollment_prototypes,
     public_prototypes,
     public_speaker_store,
+    score_prototypes,
 )
 from fedvox.training.centralised import set_determinism
 from fedvox.training.chunks import fixed_chunks
@@ -183,26 +183,6 @@ def refine_prototypes(
                 p = (q - lr * g).detach()
         out[s] = p[0]
     return out
-
-
-def score_prototypes(
-    prototypes: Tensor, query: Tensor, query_label: Tensor
-) -> dict[str, float | int]:
-    """Cosine-score every (query utterance, prototype) pair: EER, minDCF(0.01), spread
-    (mean pairwise 1 − cos between prototypes), accuracy (closest prototype is the own)."""
-    p = F.normalize(prototypes, dim=-1)
-    scores = F.normalize(query, dim=-1) @ p.T  # [Q, S]
-    is_tgt = query_label.unsqueeze(1) == torch.arange(len(p))
-    m = evaluate_scores(scores.flatten().numpy(), is_tgt.flatten().numpy())
-    off = ~torch.eye(len(p), dtype=torch.bool)
-    return {
-        "eer": m.eer,
-        "min_dcf_01": m.min_dcf_01,
-        "spread": float((1.0 - p @ p.T)[off].mean()),
-        "accuracy": float((scores.argmax(1) == query_label).float().mean()),
-        "n_target": m.n_target,
-        "n_nontarget": m.n_nontarget,
-    }
 
 
 @dataclass
