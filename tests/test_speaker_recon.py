@@ -24,7 +24,7 @@ from fedvox.fl import (
     SimulatorConfig,
 )
 from fedvox.fl.aggregation import plain_sum
-from fedvox.fl.recon import ReconConfig, ReconTask, reconstruct, train_clients_recon
+from fedvox.fl.local import ReconConfig, ReconTask, reconstruct, train_clients_recon
 from fedvox.models import build_extractor
 from fedvox.tasks.speakers import (
     CLASS_VECTORS,

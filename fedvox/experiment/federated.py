@@ -35,7 +35,7 @@ from fedvox.fl import (
     make_algorithm,
     make_server_optimizer,
 )
-from fedvox.fl.recon import ReconConfig
+from fedvox.fl.local import ReconConfig
 from fedvox.fl.server_opt import warmup_decay
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule

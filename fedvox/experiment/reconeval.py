@@ -162,7 +162,7 @@ def refine_prototypes(
     prototypes [S, D] (closed form), support [N, D] embeddings with speaker `label` [N],
     negatives [P, D] public prototypes. Each epoch walks speaker s's support chunks in order,
     batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss (as
-    fl.recon's client). The extractor is frozen, so its embeddings are computed once and the
+    fl.local's client). The extractor is frozen, so its embeddings are computed once and the
     task wraps an identity map: the same loss code, none of the extractor's cost.
     """
     if steps == 0:

@@ -74,7 +74,7 @@ def enrollment_prototypes(embeddings: Tensor, weights: Tensor) -> Tensor:
 
 
 class SpeakerReconTask(nn.Module):
-    """fl.recon.ReconTask: extractor global, speaker prototypes local (one per local slot).
+    """fl.local.ReconTask: extractor global, speaker prototypes local (one per local slot).
 
     negatives: "public" (AAM-softmax over the client's own prototypes plus the public
     speakers broadcast under NEGATIVES; needs make_speaker_recon_update), "local" (over the

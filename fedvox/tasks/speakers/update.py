@@ -13,9 +13,8 @@ from collections.abc import Callable
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-from fedvox.fl.client import ClientConfig, ClientResults
+from fedvox.fl.local import ClientConfig, ClientResults, ReconConfig, train_clients_recon
 from fedvox.fl.population import Population
-from fedvox.fl.recon import ReconConfig, train_clients_recon
 from fedvox.tasks.speakers.prototypes import SpeakerReconTask
 from fedvox.tasks.speakers.public import NEGATIVES, PublicStore, public_prototypes
 from fedvox.types import Params
@@ -34,7 +33,7 @@ def make_speaker_recon_update(
     For each distinct start version the server computes the public negatives with that
     version's extractor once, adds them under NEGATIVES to a copy of the start params (one
     copy per version per call, so clients of one version still share a broadcast view), runs
-    fl.recon.train_clients_recon, and removes NEGATIVES from the deltas (zero anyway: they
+    fl.local.train_clients_recon, and removes NEGATIVES from the deltas (zero anyway: they
     are detached in the loss).
 
     The negatives are memoised per version: by the identity of the start dict, validated by
