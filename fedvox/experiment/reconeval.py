@@ -24,6 +24,8 @@ from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
 from fedvox.experiment.runfolder import RunFolder
 from fedvox.experiment.runner import load_model
+from fedvox.fl import ClientConfig, Population, ReconConfig
+from fedvox.fl.local import broadcast_view, reconstruct_stacked
 from fedvox.tasks.speakers import (
     NEGATIVES,
     PROTOTYPES,
@@ -157,32 +159,29 @@ def refine_prototypes(
     scale: float = 30.0,
     margin: float = 0.0,
 ) -> Tensor:
-    """`steps` SGD epochs per speaker on its prototype alone (the device's reconstruction).
+    """`steps` SGD epochs per speaker on its prototype alone: fl.local's reconstruction, as on
+    a device (the extractor is frozen, global params = the public negatives).
 
     prototypes [S, D] (closed form), support [N, D] embeddings with speaker `label` [N],
     negatives [P, D] public prototypes. Each epoch walks speaker s's support chunks in order,
-    batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss (as
-    fl.local's client). The extractor is frozen, so its embeddings are computed once and the
-    task wraps an identity map: the same loss code, none of the extractor's cost.
+    batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss. The
+    embeddings are computed once and the task wraps an identity map: the same loss code, none
+    of the extractor's cost.
     """
     if steps == 0:
         return prototypes.clone()
     task = _embedding_task(support.shape[1], scale, margin)
-    out = prototypes.clone()
-    neg = negatives.detach()
-    for s in range(len(prototypes)):
-        e = support[label == s].detach()
-        p = prototypes[s : s + 1].clone()
-        for _ in range(steps):
-            for i in range(0, len(e), batch_size):
-                x = e[i : i + batch_size]
-                q = p.requires_grad_(True)
-                b = {"x": x, "slot": torch.zeros(len(x), dtype=torch.long)}
-                loss = task.loss({PROTOTYPES: q, NEGATIVES: neg}, b).mean()
-                (g,) = torch.autograd.grad(loss, q)
-                p = (q - lr * g).detach()
-        out[s] = p[0]
-    return out
+    store = {"x": support.detach(), "slot": torch.zeros(len(support), dtype=torch.long)}
+    rows = [np.flatnonzero(label.numpy() == s) for s in range(len(prototypes))]
+    population = Population(store, rows)
+    batches = [[r[i : i + batch_size] for i in range(0, len(r), batch_size)] for r in rows]
+    g = broadcast_view([{NEGATIVES: negatives.detach()}] * len(prototypes))
+    local = {PROTOTYPES: prototypes.unsqueeze(1)}  # one slot per speaker
+    cfg = ClientConfig(batch_size=batch_size)
+    out = reconstruct_stacked(
+        task, population, batches, g, local, cfg, ReconConfig(steps=steps, lr=lr)
+    )
+    return out[PROTOTYPES][:, 0]
 
 
 @dataclass

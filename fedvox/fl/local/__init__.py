@@ -11,7 +11,8 @@ clients vectorised (vmap over stacked parameters) or one at a time with identica
     split_client(population, client, rng, batch_size, epochs, recon) -> Split
         the one support/query split of training and evaluation.
     reconstruct(task, population, params, recon, clients, client, seed, part) -> Params
-        local params of unseen clients (RECONEVAL, enrollment).
+        local params of unseen clients (RECONEVAL, enrollment); reconstruct_stacked(task,
+        population, support, globals, locals, config, recon) is its step for given batches.
     recon_eval(task, population, params, recon, metric_fn, clients, seed, client) -> dict
 
 ClientResults holds Δ = w_start − w_local [k, ...] over the global names, the weights
@@ -23,8 +24,9 @@ population and aggregation, fedvox.rng, fedvox.types and fedvox.errors.
 
 from fedvox.fl.local.config import GROUP_FIELD, SPLITS, ClientConfig, ClientResults, ReconConfig
 from fedvox.fl.local.evaluate import recon_eval
-from fedvox.fl.local.reconstruct import reconstruct
-from fedvox.fl.local.split import Split, split_client
+from fedvox.fl.local.reconstruct import reconstruct, reconstruct_stacked
+from fedvox.fl.local.split import Split, eval_splits, split_client
+from fedvox.fl.local.steps import broadcast_view
 from fedvox.fl.local.task import LossFn, LowRankTask, ModuleTask, ReconTask, Task
 from fedvox.fl.local.train import make_recon_update, train_clients, train_clients_recon
 
@@ -40,9 +42,12 @@ __all__ = [
     "ReconTask",
     "Split",
     "Task",
+    "broadcast_view",
+    "eval_splits",
     "make_recon_update",
     "recon_eval",
     "reconstruct",
+    "reconstruct_stacked",
     "split_client",
     "train_clients",
     "train_clients_recon",
