@@ -284,6 +284,37 @@ def recon_eval_speakers(
     rate = f.reconstruction.lr if lr is None else float(lr)
     if not rate > 0:
         raise ConfigError("lr", f"must be > 0, got {rate}", "use e.g. 0.1")
+    rows, n_public = _rows(inputs, steps, rate)
+    result = {
+        "run": str(run_path),
+        "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
+        "query_embedding": QUERY_EMBEDDING,
+        "split": "by utterance: even positions (sorted ids) support, odd query",
+        "lr": rate,
+        "batch_size": f.local_batch_size,
+        "margin": inputs.cfg.model.margin,
+        "scale": inputs.cfg.model.scale,
+        "chunk_frames": inputs.chunk_frames,
+        "public_speakers": n_public,
+        "n_speakers": len(inputs.split.speakers),
+        "n_support_utts": sum(len(u) for u in inputs.split.support),
+        "n_query_utts": sum(len(u) for u in inputs.split.query),
+        "n_support_chunks": len(inputs.support),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "results": rows,
+    }
+    folder = Path(run_path)
+    atomic_write_text(folder / JSON_FILE, json.dumps(result, indent=2) + "\n")
+    md = folder / MD_FILE
+    old = md.read_text() if md.is_file() else "# RECONEVAL on unseen speakers\n"
+    atomic_write_text(md, old.rstrip("\n") + "\n\n" + markdown_table(result))
+    return result
+
+
+def _rows(inputs: ReconEvalInputs, steps: Sequence[int], rate: float) -> tuple[list[dict], int]:
+    """One result row per k in `steps` (scores, and the support loss with negatives) and the
+    number of public negatives used (0 when every k is the closed form)."""
+    f = inputs.federated()
     base = inputs.closed_form()
     negatives = None
     n_public = 0
@@ -319,30 +350,7 @@ def recon_eval_speakers(
             )
             row["support_loss"] = float(loss.mean())
         rows.append(row)
-    result = {
-        "run": str(run_path),
-        "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
-        "query_embedding": QUERY_EMBEDDING,
-        "split": "by utterance: even positions (sorted ids) support, odd query",
-        "lr": rate,
-        "batch_size": f.local_batch_size,
-        "margin": inputs.cfg.model.margin,
-        "scale": inputs.cfg.model.scale,
-        "chunk_frames": inputs.chunk_frames,
-        "public_speakers": n_public,
-        "n_speakers": len(inputs.split.speakers),
-        "n_support_utts": sum(len(u) for u in inputs.split.support),
-        "n_query_utts": sum(len(u) for u in inputs.split.query),
-        "n_support_chunks": len(inputs.support),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "results": rows,
-    }
-    folder = Path(run_path)
-    atomic_write_text(folder / JSON_FILE, json.dumps(result, indent=2) + "\n")
-    md = folder / MD_FILE
-    old = md.read_text() if md.is_file() else "# RECONEVAL on unseen speakers\n"
-    atomic_write_text(md, old.rstrip("\n") + "\n\n" + markdown_table(result))
-    return result
+    return rows, n_public
 
 
 def markdown_table(result: Mapping) -> str:
