@@ -7,7 +7,7 @@ Model: build_extractor("xvector-small", 30, norm="layer", embedding_layer="a") t
 LinearHead(256, 500) on `head_input`, cross-entropy: W1's layer shapes and FLOPs, but
 ChannelLayerNorm replaces BatchNorm, because vmap over clients cannot carry BN's running
 statistics (docs/federated.md). Each thread count runs in its own process. A client of this
-size (5 MB of parameters) is trained one at a time (client.py SOLO_BYTES): vmap over clients
+size (5 MB of parameters) is trained one at a time (fl/local/steps.py SOLO_BYTES): vmap over clients
 turns the convolutions into grouped ones and ran 30-40% slower (--chunk 3 shows it).
 
     .venv/bin/python benchmarks/bench_w1.py            # threads 1 and 2
@@ -50,7 +50,7 @@ from fedvox.fl import (
     Simulator,
     SimulatorConfig,
 )
-from fedvox.fl.client import _auto_chunk
+from fedvox.fl.local.steps import auto_chunk
 from fedvox.models import build_extractor
 from fedvox.models.heads import LinearHead
 
@@ -161,7 +161,7 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
         callback=on_record,
     )
     sim.run(max_server_steps=ROUNDS)
-    auto = _auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
+    auto = auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
     mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
     mode += f" norm={norm}"
     report(

@@ -7,7 +7,7 @@ process, the ratio, peak RSS and the loss trend. Each thread count runs in its o
     .venv/bin/python benchmarks/bench_w2.py            # threads 1 and 2
     .venv/bin/python benchmarks/bench_w2.py --threads 1 [--loop] [--chunk 100] [--lowrank off]
 
-The MLP takes the exact low-rank client path (fedvox/fl/client.py `_train_lowrank`) unless
+The MLP takes the exact low-rank client path (fedvox/fl/local/lowrank.py `train_lowrank`) unless
 --lowrank off selects the generic vmap path.
 """
 

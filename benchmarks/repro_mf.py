@@ -16,7 +16,7 @@ import time
 import torch
 
 from fedvox.fl import ClientConfig, FedAvg, ServerSGD, Simulator, SimulatorConfig
-from fedvox.fl.recon import ReconConfig, make_recon_update, recon_eval
+from fedvox.fl.local import ReconConfig, make_recon_update, recon_eval
 from fedvox.tasks.mf import (
     MFTask,
     Ratings,

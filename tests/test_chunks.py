@@ -44,8 +44,7 @@ def test_state_restores_the_exact_sequence() -> None:
 
 
 def test_sliding_chunks_are_every_window_at_the_hop_and_the_store_counts_fixed_chunks() -> None:
-    from fedvox.experiment.federated import chunk_store
-    from fedvox.training.chunks import sliding_chunks
+    from fedvox.training.chunks import chunk_store, sliding_chunks
 
     f = np.arange(23 * 2, dtype=np.float32).reshape(23, 2)
     w = sliding_chunks(f, 10, 4)  # starts 0, 4, 8, 12

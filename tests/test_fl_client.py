@@ -20,7 +20,8 @@ from fedvox.fl import (
     SimulatorConfig,
     train_clients,
 )
-from fedvox.fl.client import SOLO_BYTES, _auto_chunk, _lowrank_plan, _objective
+from fedvox.fl.local.lowrank import lowrank_plan
+from fedvox.fl.local.steps import SOLO_BYTES, auto_chunk, objective
 
 
 def _perturbed(params, scale: float, seed: int):
@@ -42,7 +43,7 @@ def test_vectorised_equals_loop(mu: float, lr_normalise: bool) -> None:
         cfg = ClientConfig(
             epochs=2, batch_size=4, lr=0.3, mu=mu, lr_normalise=lr_normalise, vectorised=vec
         )
-        out[vec] = train_clients(task.loss, pop, jobs, starts, cfg)
+        out[vec] = train_clients(task, pop, jobs, starts, cfg)
     for n in p0:
         assert torch.allclose(out[True].delta[n], out[False].delta[n], atol=1e-5), n
         assert out[True].delta[n].abs().sum() > 0
@@ -55,9 +56,9 @@ def test_lr_normalisation_scales_the_short_batch_step() -> None:
     pop = linear_population([3])
     task = LinearTask()
     p0 = task.init_params()
-    base = train_clients(task.loss, pop, [(0, 0)], [p0], ClientConfig(batch_size=4, lr=0.1))
+    base = train_clients(task, pop, [(0, 0)], [p0], ClientConfig(batch_size=4, lr=0.1))
     norm = train_clients(
-        task.loss, pop, [(0, 0)], [p0], ClientConfig(batch_size=4, lr=0.1, lr_normalise=True)
+        task, pop, [(0, 0)], [p0], ClientConfig(batch_size=4, lr=0.1, lr_normalise=True)
     )
     for n in p0:
         assert torch.allclose(norm.delta[n], 0.75 * base.delta[n], atol=1e-7)
@@ -70,8 +71,8 @@ def test_fedprox_gradient_points_away_from_global_so_steps_pull_towards_it() -> 
     cfg = ClientConfig(mu=2.0)
     anchor = {"w": torch.tensor([1.0, -1.0])}
     p = {"w": torch.tensor([3.0, -4.0])}
-    obj = _objective(zero_loss, cfg)
-    g = torch.func.grad(lambda q: obj(q, anchor, {"x": torch.ones(2, 1)}, torch.ones(2))[0])(p)
+    obj = objective(zero_loss, cfg)
+    g = torch.func.grad(lambda q: obj(q, anchor, {}, {"x": torch.ones(2, 1)}, torch.ones(2))[0])(p)
     assert torch.allclose(g["w"], 2.0 * (p["w"] - anchor["w"]))
     stepped = p["w"] - 0.1 * g["w"]
     assert (stepped - anchor["w"]).norm() < (p["w"] - anchor["w"]).norm()
@@ -85,7 +86,7 @@ def test_fedprox_reduces_client_drift_on_non_iid_clients() -> None:
 
     def drift(mu: float) -> torch.Tensor:
         cfg = ClientConfig(epochs=5, batch_size=5, lr=0.05, mu=mu)
-        res = train_clients(task.loss, pop, jobs, [p0] * 3, cfg)
+        res = train_clients(task, pop, jobs, [p0] * 3, cfg)
         return torch.sqrt(sum((d.flatten(1) ** 2).sum(1) for d in res.delta.values()))
 
     free, prox = drift(0.0), drift(1.0)
@@ -100,7 +101,7 @@ def test_vectorised_equals_loop_in_chunks_from_one_version(chunk_size) -> None:
     jobs = [(c, 0) for c in range(5)]
     res = {
         vec: train_clients(
-            task.loss,
+            task,
             pop,
             jobs,
             [p0] * 5,
@@ -153,9 +154,9 @@ def test_lowrank_equals_loop(make_task, mu: float, lr_normalise: bool, chunk_siz
             lowrank=lowrank,
             chunk_size=chunk_size,
         )
-        out[lowrank] = train_clients(task.loss, pop, jobs, starts, cfg)
+        out[lowrank] = train_clients(task, pop, jobs, starts, cfg)
     ref = train_clients(
-        task.loss,
+        task,
         pop,
         jobs,
         starts,
@@ -178,30 +179,30 @@ def test_lowrank_is_chosen_only_where_it_saves_work() -> None:
     net = nn.Sequential(nn.Linear(784, 200), nn.ReLU(), nn.Linear(200, 200), nn.Linear(200, 10))
     task = ModuleTask(net, lambda out, b: F.cross_entropy(out, b["y"], reduction="none"))
     pop = Population({"x": torch.zeros(4, 784), "y": torch.zeros(4, dtype=torch.long)}, [[0]])
-    plan = _lowrank_plan(task.loss, pop, ClientConfig(), rank=50)
+    plan = lowrank_plan(task, pop, ClientConfig(), rank=50)
     assert plan is not None and plan.lowrank == {0, 2}
-    assert _lowrank_plan(task.loss, pop, ClientConfig(lowrank=False), rank=50) is None
-    assert _lowrank_plan(task.loss, pop, ClientConfig(vectorised=False), rank=50) is None
-    assert _lowrank_plan(task.loss, pop, ClientConfig(), rank=1000) is None  # dense is cheaper
-    assert _lowrank_plan(task.loss, pop, ClientConfig(lowrank=True), rank=1000).lowrank == {
+    assert lowrank_plan(task, pop, ClientConfig(lowrank=False), rank=50) is None
+    assert lowrank_plan(task, pop, ClientConfig(vectorised=False), rank=50) is None
+    assert lowrank_plan(task, pop, ClientConfig(), rank=1000) is None  # dense is cheaper
+    assert lowrank_plan(task, pop, ClientConfig(lowrank=True), rank=1000).lowrank == {
         0,
         2,
         3,
     }
     # the toy MLP (6-8-3) is too narrow for batch 4: the generic path runs
     small = mlp_task()
-    assert _lowrank_plan(small.loss, class_population([5]), ClientConfig(), rank=4) is None
+    assert lowrank_plan(small, class_population([5]), ClientConfig(), rank=4) is None
 
 
 def test_lowrank_refuses_a_model_it_cannot_run() -> None:
     pop = linear_population([4])
     task = LinearTask()  # not a ModuleTask
     with pytest.raises(ConfigError, match=r"client\.lowrank"):
-        train_clients(task.loss, pop, [(0, 0)], [task.init_params()], ClientConfig(lowrank=True))
+        train_clients(task, pop, [(0, 0)], [task.init_params()], ClientConfig(lowrank=True))
     torch.manual_seed(0)
     conv = ModuleTask(nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.1)), lambda o, b: o.sum(-1))
     with pytest.raises(ConfigError, match=r"client\.lowrank"):
-        train_clients(conv.loss, pop, [(0, 0)], [conv.init_params()], ClientConfig(lowrank=True))
+        train_clients(conv, pop, [(0, 0)], [conv.init_params()], ClientConfig(lowrank=True))
 
 
 def test_lowrank_is_bit_reproducible() -> None:
@@ -210,7 +211,7 @@ def test_lowrank_is_bit_reproducible() -> None:
     p0 = task.init_params()
     jobs = [(c, 0) for c in range(5)]
     cfg = ClientConfig(batch_size=4, lr=0.3, mu=0.1, lowrank=True)
-    a, b = (train_clients(task.loss, pop, jobs, [p0] * 5, cfg) for _ in range(2))
+    a, b = (train_clients(task, pop, jobs, [p0] * 5, cfg) for _ in range(2))
     for n in p0:
         assert torch.equal(a.delta[n], b.delta[n])
     assert torch.equal(a.loss, b.loss)
@@ -226,7 +227,7 @@ def _wide_mlp() -> ModuleTask:
 def test_lowrank_in_the_simulator_matches_the_generic_path_and_is_reproducible(mu) -> None:
     # FedBuff with C=6, K=3: a buffer mixes start versions, so grouping by version is used
     pop = class_population([6 + (c % 7) for c in range(24)], seed=1)
-    plan = _lowrank_plan(_wide_mlp().loss, pop, ClientConfig(batch_size=2), rank=2 * 7)
+    plan = lowrank_plan(_wide_mlp(), pop, ClientConfig(batch_size=2), rank=2 * 7)
     assert plan is not None and 2 in plan.lowrank  # the automatic path really is low-rank
 
     def run(lowrank):
@@ -249,5 +250,5 @@ def test_lowrank_in_the_simulator_matches_the_generic_path_and_is_reproducible(m
 def test_large_clients_train_one_at_a_time() -> None:
     small = {"w": torch.zeros(1000)}
     big = {"w": torch.zeros(SOLO_BYTES // 4)}
-    assert _auto_chunk(small, 100) == 100
-    assert _auto_chunk(big, 100) == 1
+    assert auto_chunk(small, 100) == 100
+    assert auto_chunk(big, 100) == 1

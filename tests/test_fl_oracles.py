@@ -75,7 +75,7 @@ def test_fedbuff_k1_equals_hand_written_async() -> None:
     w = history[0]
     for r in trips:
         start = history[r["start_version"]]
-        res = train_clients(task.loss, pop, [(r["client"], r["trip"])], [start], client)
+        res = train_clients(task, pop, [(r["client"], r["trip"])], [start], client)
         s = float(staleness_weight(torch.tensor([r["staleness"]]), "sqrt")[0])
         w = {n: w[n] - 0.7 * s * res.delta[n][0] for n in w}
         history[r["server_step"]] = w
@@ -127,7 +127,7 @@ def test_fedbuff_first_flush_is_fedavg_of_the_buffered_clients() -> None:
     trips = [r for r in recs if r["kind"] == "trip" and r["status"] == "aggregated"]
     assert len(trips) == 5 and all(r["start_version"] == 0 for r in trips)
     p0 = task.init_params()
-    res = train_clients(task.loss, pop, [(r["client"], r["trip"]) for r in trips], [p0] * 5, client)
+    res = train_clients(task, pop, [(r["client"], r["trip"]) for r in trips], [p0] * 5, client)
     expect = {n: p0[n] - res.delta[n].mean(0) for n in p0}
     assert _close(out, expect, atol=1e-6)
 

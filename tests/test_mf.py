@@ -9,7 +9,7 @@ import torch
 
 from fedvox.errors import DataError
 from fedvox.fl import ClientConfig, FedAvg, ServerSGD, Simulator, SimulatorConfig
-from fedvox.fl.recon import ReconConfig, make_recon_update, recon_eval
+from fedvox.fl.local import ReconConfig, make_recon_update, recon_eval
 from fedvox.tasks.mf import (
     MFTask,
     centralised_mf,

@@ -21,13 +21,12 @@ from fedvox.models import (
     XVector,
     build_extractor,
     count_parameters,
-    functional_loss,
     margin_schedule,
-    merged_parameters,
     speaker_loss,
     train_step,
 )
 from fedvox.models.xvector import VARIANCE_FLOOR, ChannelLayerNorm, time_mean_std
+from fedvox.tasks.speakers import SpeakerTask
 
 TINY = (32, 32, 32, 32, 64)
 
@@ -369,14 +368,22 @@ def test_train_step_clips_the_global_gradient_norm():
     assert torch.norm(torch.stack([g.norm() for g in grads])) <= 0.01 + 1e-6
 
 
-def test_functional_loss_equals_speaker_loss():
+def _mean_loss(task: SpeakerTask):
+    """The speaker task's per-example losses as the mean speaker_loss, a pure function."""
+    return lambda p, x, y: task.loss(p, {"x": x, "y": y}).mean()
+
+
+def test_task_loss_is_the_per_example_speaker_loss():
     ext, head = _tiny_ecapa(), AAMSoftmax(16, 3)
+    task = SpeakerTask(ext, head)
     feats, labels = torch.randn(4, 30, 20), torch.tensor([0, 1, 2, 1])
-    f = functional_loss(ext, head)
-    params = merged_parameters(ext, head)
+    params = task.init_params()
     assert all(k.startswith(("extractor.", "head.")) for k in params)
-    torch.testing.assert_close(f(params, feats, labels), speaker_loss(ext, head, feats, labels))
+    per_example = task.loss(params, {"x": feats, "y": labels})
+    assert per_example.shape == (4,)
+    torch.testing.assert_close(per_example.mean(), speaker_loss(ext, head, feats, labels))
     zeroed = {k: torch.zeros_like(v) if k == "head.weight" else v for k, v in params.items()}
+    f = _mean_loss(task)
     assert not torch.allclose(f(zeroed, feats, labels), speaker_loss(ext, head, feats, labels))
 
 
@@ -385,7 +392,8 @@ def test_vmapped_grad_over_clients_equals_per_client_loop(embedding_layer):
     n_clients, batch, frames = 3, 4, 32
     ext = _tiny_xvector(norm="layer", embedding_layer=embedding_layer)
     head = AAMSoftmax(24, 6, margin=0.2)
-    base = merged_parameters(ext, head)
+    task = SpeakerTask(ext, head)
+    base = task.init_params()
     gen = _gen(21)
     stacked = {
         k: torch.stack(
@@ -396,7 +404,7 @@ def test_vmapped_grad_over_clients_equals_per_client_loop(embedding_layer):
     feats = torch.randn(n_clients, batch, frames, 30, generator=gen)
     labels = torch.randint(0, 6, (n_clients, batch), generator=gen)
 
-    per_client = vmap(grad(functional_loss(ext, head)))(stacked, feats, labels)
+    per_client = vmap(grad(_mean_loss(task)))(stacked, feats, labels)
 
     for c in range(n_clients):
         # Independent oracle: a fresh module pair loaded with client c's tensors, eager autograd.

@@ -22,7 +22,7 @@ from fedvox.fl import (
     train_clients,
 )
 from fedvox.fl.aggregation import plain_sum
-from fedvox.fl.recon import (
+from fedvox.fl.local import (
     ReconConfig,
     make_recon_update,
     recon_eval,
@@ -82,7 +82,7 @@ def test_without_local_params_it_is_fedavg_bit_for_bit(vectorised: bool) -> None
     starts = [p0, p0, *[_perturbed(p0, 0.1, i) for i in range(4)]]  # shared and own versions
     jobs = [(c, 3 + c) for c in range(6)]
     cfg = ClientConfig(epochs=2, batch_size=4, lr=0.2, mu=0.3, vectorised=vectorised)
-    plain = train_clients(task.loss, pop, jobs, starts, cfg)
+    plain = train_clients(task, pop, jobs, starts, cfg)
     # split "all": query = FedAvg's batches; with no local params reconstruction is a no-op
     for steps in (0, 3):
         recon = train_clients_recon(task, pop, jobs, starts, cfg, ReconConfig(steps, split="all"))
@@ -312,8 +312,8 @@ def test_closed_form_needs_the_task_to_have_one() -> None:
 
 
 def test_groups_split_keeps_whole_groups_on_each_side() -> None:
+    from fedvox.fl.local import ReconConfig, split_client
     from fedvox.fl.population import Population
-    from fedvox.fl.recon import ReconConfig, split_client
 
     n = 12
     store = {

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from fedvox.cli import app
 from fedvox.errors import FedvoxError
-from fedvox.experiment.federated import fixed_chunks
 from fedvox.experiment.prepare import prepare
 from fedvox.experiment.reconeval import (
     load_inputs,
@@ -26,6 +25,10 @@ from fedvox.experiment.reconeval import (
     support_loss,
 )
 from fedvox.experiment.runner import weights_hash
+from fedvox.fl import ClientConfig, Population, ReconConfig
+from fedvox.fl.local.reconstruct import reconstruct_one
+from fedvox.tasks.speakers import NEGATIVES, PROTOTYPES, SpeakerReconTask
+from fedvox.training.chunks import fixed_chunks
 
 runner = CliRunner()
 
@@ -185,3 +188,29 @@ def test_centralised_run_uses_reconstruction_defaults(
     with pytest.raises(Stop):
         recon_eval_speakers(tmp_path / "r", steps=(0, 1))
     assert (seen["n_speakers"], seen["chunks_per_speaker"], seen["chunk_frames"]) == (100, 2, 200)
+
+
+def test_refinement_is_the_devices_reconstruction() -> None:
+    """RECONEVAL's SGD epochs are fl.local's reconstruction: the vectorised chunk it runs
+    equals the one-client loop reference, speaker by speaker, and moves the prototypes."""
+    gen = torch.Generator().manual_seed(0)
+    support = torch.randn(7, 5, generator=gen)
+    label = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    neg = F.normalize(torch.randn(3, 5, generator=gen), dim=-1)
+    base = F.normalize(torch.randn(2, 5, generator=gen), dim=-1)
+    got = refine_prototypes(base, support, label, neg, 2, 0.1, 2, 30.0, 0.1)
+    task = SpeakerReconTask(torch.nn.Identity(), scale=30.0, margin=0.1, emb_dim=5)
+    rows = [np.arange(3), np.arange(3, 7)]
+    pop = Population({"x": support, "slot": torch.zeros(7, dtype=torch.long)}, rows)
+    for s, r in enumerate(rows):
+        want = reconstruct_one(
+            task,
+            pop,
+            [r[i : i + 2] for i in range(0, len(r), 2)],
+            {NEGATIVES: neg},
+            {PROTOTYPES: base[s : s + 1]},
+            ClientConfig(batch_size=2),
+            ReconConfig(steps=2, lr=0.1),
+        )
+        torch.testing.assert_close(got[s], want[PROTOTYPES][0], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(got[s], base[s])

@@ -24,16 +24,15 @@ from fedvox.fl import (
     SimulatorConfig,
 )
 from fedvox.fl.aggregation import plain_sum
-from fedvox.fl.recon import ReconConfig, ReconTask, reconstruct, train_clients_recon
+from fedvox.fl.local import ReconConfig, ReconTask, reconstruct, train_clients_recon
 from fedvox.models import build_extractor
 from fedvox.tasks.speakers import (
     CLASS_VECTORS,
     NEGATIVES,
     PROTOTYPES,
-    FedAwS,
     FedAwSTask,
-    FedBuffAwS,
     SpeakerReconTask,
+    Spreadout,
     make_speaker_recon_update,
     public_prototypes,
     public_store_from_features,
@@ -170,7 +169,7 @@ def test_negatives_are_computed_once_per_version_across_interleaved_completions(
 ) -> None:
     # FedBuff completes clients of ~C/K versions interleaved: each version's negatives must
     # be computed once, however the completions interleave (a small cache recomputed them).
-    import fedvox.tasks.speakers as speakers
+    import fedvox.tasks.speakers.update as speakers
 
     calls: list[int] = []
     real = speakers.public_prototypes
@@ -400,22 +399,40 @@ def test_spreadout_pushes_close_class_vectors_apart() -> None:
 
 
 @pytest.mark.parametrize("opt", ["sgd-momentum", "adam"])
-def test_fedaws_is_server_optimiser_step_then_spreadout(opt: str) -> None:
+@pytest.mark.parametrize("inner", ["fedavg", "fedbuff"])
+def test_spreadout_wraps_any_algorithm_step_then_spreadout(opt: str, inner: str) -> None:
     def make():
-        return ServerSGD(1.0, momentum=0.9) if opt == "sgd-momentum" else ServerAdam(lr=0.01)
+        server = ServerSGD(1.0, momentum=0.9) if opt == "sgd-momentum" else ServerAdam(lr=0.01)
+        return FedAvg(server) if inner == "fedavg" else FedBuff(2, server, staleness="sqrt")
 
+    algo, ref = Spreadout(make(), nu=1.5, spread_lr=0.2, spread_steps=3), make()
+    # weights, barrier, buffer size and refusals are the inner algorithm's
+    assert algo.barrier == ref.barrier and algo.updates_per_step(8) == ref.updates_per_step(8)
+    n, tau = torch.tensor([3, 5]), torch.tensor([0, 4])
+    assert torch.equal(algo.client_weights(n, tau), ref.client_weights(n, tau))
+    if inner == "fedbuff":
+        with pytest.raises(ConfigError, match="buffer_size"):
+            algo.validate(1)
     gen = torch.Generator().manual_seed(0)
     params = {CLASS_VECTORS: torch.randn(6, 4, generator=gen), "b": torch.randn(3, generator=gen)}
     total = {n: torch.randn(t.shape, generator=gen) for n, t in params.items()}
-    algo, ref = FedAwS(make(), nu=1.5, spread_lr=0.2, spread_steps=3), make()
     for _ in range(2):  # twice: the optimiser's state carries over as usual
-        new = algo.apply(params, total, 2.0, 2, [params], torch.zeros(2))
-        want = ref.step(params, {n: t / 2.0 for n, t in total.items()})
+        new = algo.apply(params, total, 2.0, 2, [params], tau)
+        want = ref.apply(params, total, 2.0, 2, [params], tau)
         assert torch.equal(new["b"], want["b"])
         assert torch.equal(new[CLASS_VECTORS], spreadout(want[CLASS_VECTORS], 1.5, 0.2, 3))
         params = new
-    same = algo.apply(params, total, 0.0, 0, [params], torch.zeros(0))  # nothing aggregated
-    assert all(torch.equal(same[n], params[n]) for n in params)
+    # a checkpoint is the inner algorithm's: a restored wrapper continues identically
+    again = Spreadout(make(), nu=1.5, spread_lr=0.2, spread_steps=3)
+    again.load_state_dict(algo.state_dict())
+    a = algo.apply(params, total, 2.0, 2, [params], tau)
+    b = again.apply(params, total, 2.0, 2, [params], tau)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    if inner == "fedavg":
+        same = algo.apply(params, total, 0.0, 0, [params], torch.zeros(0))  # nothing aggregated
+        assert all(torch.equal(same[n], params[n]) for n in params)
+    with pytest.raises(ConfigError, match="class_key"):
+        Spreadout(make(), class_key="nope").apply(params, total, 2.0, 2, [params], tau)
 
 
 @pytest.mark.parametrize("algo", ["fedavg", "fedbuff"])
@@ -427,9 +444,11 @@ def test_fedaws_simulator_spreads_class_vectors(algo: str) -> None:
         task = FedAwSTask(TinyExtractor(), 20, seed=0)
         kw = {"nu": 1.2, "spread_lr": 0.5}
         if algo == "fedavg":
-            alg = FedAwS(ServerSGD(1.0), **kw) if spread else FedAvg(ServerSGD(1.0))
+            alg = FedAvg(ServerSGD(1.0))
         else:
-            alg = FedBuffAwS(5, ServerSGD(1.0), **kw) if spread else FedBuff(5, ServerSGD(1.0))
+            alg = FedBuff(5, ServerSGD(1.0))
+        if spread:
+            alg = Spreadout(alg, **kw)
         w = F.normalize(
             simulator(task, pop, alg, lr=0.1).run(max_server_steps=15)[CLASS_VECTORS], dim=-1
         )

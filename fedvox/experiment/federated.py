@@ -14,9 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
 from fedvox.data.store import FeatureStore
@@ -27,110 +25,36 @@ from fedvox.experiment.prepare import PreparedData, feature_config, synthetic_co
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import (
+    Algorithm,
     ClientConfig,
     DelayModel,
     Population,
+    ServerOptimizer,
     Simulator,
     SimulatorConfig,
     make_algorithm,
     make_server_optimizer,
 )
-from fedvox.fl.recon import ReconConfig
+from fedvox.fl.local import ReconConfig
 from fedvox.fl.server_opt import warmup_decay
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
-from fedvox.models.step import speaker_losses
 from fedvox.progress import task_progress
 from fedvox.rng import Purpose, derived_seed
 from fedvox.tasks.speakers import (
-    FedAwS,
     FedAwSTask,
-    FedBuffAwS,
     SpeakerReconTask,
+    SpeakerTask,
+    Spreadout,
     make_speaker_recon_update,
     public_speaker_store,
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
-from fedvox.training.chunks import fixed_chunks, sliding_chunks
+from fedvox.training.chunks import chunk_store
 
 PARTITION_FILE = "partition.json"
 TRIPS_FILE = "trips.jsonl"
-
-
-def chunk_store(
-    feats: dict[str, np.ndarray],
-    utts: list[str],
-    labels: np.ndarray,
-    length: int,
-    hop: int | None = None,
-) -> tuple[dict[str, Tensor], list[np.ndarray], np.ndarray | None]:
-    """One shared store {"x": [N, L, D], "y": [N], "group": [N]} and the chunk rows of each
-    utterance; with `hop`, also how many windows make one epoch of each utterance.
-
-    hop None: non-overlapping fixed chunks (take is None). hop h: every window at a multiple
-    of h, and take[u] = the number of fixed chunks utterance u would have, so a device that
-    draws take[u] windows per recording per epoch (Population groups/take) trains on as much
-    as with fixed chunks, at fresh positions: the random crops the centralised trainer uses.
-    """
-    xs, ys, rows, takes, start = [], [], [], [], 0
-    for u, y in zip(utts, labels, strict=True):
-        f = feats[u]
-        c = fixed_chunks(f, length) if hop is None else sliding_chunks(f, length, hop)
-        takes.append(max(1, len(f) // length))  # what fixed_chunks would give
-        xs.append(c)
-        ys.append(np.full(len(c), y, dtype=np.int64))
-        rows.append(np.arange(start, start + len(c)))
-        start += len(c)
-    store = {
-        "x": torch.from_numpy(np.concatenate(xs)),
-        "y": torch.from_numpy(np.concatenate(ys)),
-        # the recording each chunk comes from (Federated Reconstruction's "groups" split)
-        "group": torch.from_numpy(
-            np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
-        ),
-    }
-    return store, rows, (None if hop is None else np.asarray(takes, dtype=np.int64))
-
-
-class SpeakerTask(nn.Module):
-    """The engine's task: extractor + AAM head, per-example loss as a pure function."""
-
-    def __init__(self, extractor: nn.Module, head: AAMSoftmax):
-        super().__init__()
-        self.extractor = extractor
-        self.head = head
-
-    def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return speaker_losses(self.extractor, self.head, x, y)
-
-    def init_params(self) -> dict[str, Tensor]:
-        """The trained (global) parameters; fixed codeword rows are not among them."""
-        return {n: p.detach().clone() for n, p in self.named_parameters() if p.requires_grad}
-
-    def loss(self, params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        return functional_call(self, params, (batch["x"], batch["y"]))
-
-    def load_params(self, params: dict[str, Tensor]) -> None:
-        with torch.no_grad():
-            for n, p in self.named_parameters():
-                if n in params:
-                    p.copy_(params[n])
-
-    def fix_head(self, seed: int) -> None:
-        """FedUV-style codewords: the head rows become fixed random unit vectors (from the
-        seed, so any device can regenerate its own row), never trained, never sent.
-
-        A learned head with one speaker per device drifts: a row gets a pull only when its
-        device is in the step and a push from every other step, and with 10 devices per
-        step the rows moved away from all speakers (measured: no learning). Fixed rows
-        cannot drift, and carry no voice: the server learns no voiceprint from them.
-        """
-        gen = torch.Generator().manual_seed(int(seed))
-        w = self.head.weight
-        with torch.no_grad():
-            w.copy_(F.normalize(torch.randn(w.shape, generator=gen), dim=-1))
-        w.requires_grad_(False)
 
 
 def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module:
@@ -196,15 +120,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     crops = {} if take is None else {"groups": store["group"].numpy(), "take": take}
     row_of = dict(zip(utts, rows, strict=True))
     clients = [np.concatenate([row_of[u] for u in client]) for client in part.clients]
-    opt_kw = {"lr": f.server_lr}
-    if f.server_optimizer == "sgd":
-        opt_kw["momentum"] = f.server_momentum
-    else:
-        opt_kw["tau"] = f.server_tau
-    server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
-    if f.server_warmup_steps or f.server_final_lr is not None:
-        final = (f.server_final_lr or f.server_lr) / f.server_lr
-        server_opt.schedule = warmup_decay(f.server_warmup_steps, f.server_steps, final)
+    algorithm = build_algorithm(f, build_server_optimizer(f))
     client_update = None
     extra_bytes_down = 0
     if f.speakers == "local":
@@ -213,39 +129,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         )
     else:
         population = Population(store, clients, seed=cfg.seed, **crops)
-        if f.speakers == "fedaws":
-            task = FedAwSTask(
-                build_federated_extractor(cfg, data.feat_dim),
-                len(data.train_speakers()),
-                pos_margin=f.fedaws.pos_margin,
-                seed=cfg.seed,
-            )
-        else:
-            task = build_task(cfg, data.feat_dim, len(data.train_speakers()))
-            if f.speakers == "codewords":
-                task.fix_head(derived_seed(cfg.seed, Purpose.CODEWORDS, bits=32))
-    spread = {
-        "nu": f.fedaws.nu,
-        "spread_lr": f.fedaws.spread_lr,
-        "spread_steps": f.fedaws.spread_steps,
-    }
-    if f.algorithm == "fedavg":
-        if f.speakers == "fedaws":
-            algorithm = FedAwS(server_opt, weighting=f.weighting, **spread)
-        else:
-            algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
-    elif f.algorithm == "fedbuff":
-        kw = {"staleness": f.staleness, "max_staleness": f.max_staleness}
-        if f.speakers == "fedaws":
-            algorithm = FedBuffAwS(f.buffer_size, server_opt, **kw, **spread)
-        else:
-            algorithm = make_algorithm(
-                "fedbuff", buffer_size=f.buffer_size, server_opt=server_opt, **kw
-            )
-    else:
-        algorithm = make_algorithm(
-            "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
-        )
+        task = _global_task(cfg, data)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
     sim = Simulator(
@@ -270,6 +154,57 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     )
     setup.simulator = sim
     return setup
+
+
+def build_server_optimizer(f: FederatedSection) -> ServerOptimizer:
+    """The server optimiser of [federated], with its warm-up/decay schedule if one is set."""
+    opt_kw = {"lr": f.server_lr}
+    if f.server_optimizer == "sgd":
+        opt_kw["momentum"] = f.server_momentum
+    else:
+        opt_kw["tau"] = f.server_tau
+    server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
+    if f.server_warmup_steps or f.server_final_lr is not None:
+        final = (f.server_final_lr or f.server_lr) / f.server_lr
+        server_opt.schedule = warmup_decay(f.server_warmup_steps, f.server_steps, final)
+    return server_opt
+
+
+def build_algorithm(f: FederatedSection, server_opt: ServerOptimizer) -> Algorithm:
+    """The algorithm of [federated]; FedAwS wraps it in the server's spreadout."""
+    if f.algorithm == "fedavg":
+        algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
+    elif f.algorithm == "fedbuff":
+        kw = {"staleness": f.staleness, "max_staleness": f.max_staleness}
+        algorithm = make_algorithm(
+            "fedbuff", buffer_size=f.buffer_size, server_opt=server_opt, **kw
+        )
+    else:
+        algorithm = make_algorithm(
+            "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
+        )
+    if f.speakers != "fedaws":
+        return algorithm
+    a = f.fedaws
+    return Spreadout(algorithm, nu=a.nu, spread_lr=a.spread_lr, spread_steps=a.spread_steps)
+
+
+def _global_task(cfg: ExperimentConfig, data: PreparedData) -> nn.Module:
+    """The task of the modes whose speakers live on the server: global head, codewords, FedAwS."""
+    f = cfg.federated
+    assert f is not None
+    n_speakers = len(data.train_speakers())
+    if f.speakers == "fedaws":
+        return FedAwSTask(
+            build_federated_extractor(cfg, data.feat_dim),
+            n_speakers,
+            pos_margin=f.fedaws.pos_margin,
+            seed=cfg.seed,
+        )
+    task = build_task(cfg, data.feat_dim, n_speakers)
+    if f.speakers == "codewords":
+        task.fix_head(derived_seed(cfg.seed, Purpose.CODEWORDS, bits=32))
+    return task
 
 
 def _local_speakers(

@@ -20,11 +20,12 @@ from torch import Tensor, nn
 from fedvox.atomic import atomic_write_text
 from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError, DataError
-from fedvox.eval.metrics import evaluate_scores
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
 from fedvox.experiment.runfolder import RunFolder
 from fedvox.experiment.runner import load_model
+from fedvox.fl import ClientConfig, Population, ReconConfig
+from fedvox.fl.local import broadcast_view, reconstruct_stacked
 from fedvox.tasks.speakers import (
     NEGATIVES,
     PROTOTYPES,
@@ -33,6 +34,7 @@ from fedvox.tasks.speakers import (
     enrollment_prototypes,
     public_prototypes,
     public_speaker_store,
+    score_prototypes,
 )
 from fedvox.training.centralised import set_determinism
 from fedvox.training.chunks import fixed_chunks
@@ -157,52 +159,29 @@ def refine_prototypes(
     scale: float = 30.0,
     margin: float = 0.0,
 ) -> Tensor:
-    """`steps` SGD epochs per speaker on its prototype alone (the device's reconstruction).
+    """`steps` SGD epochs per speaker on its prototype alone: fl.local's reconstruction, as on
+    a device (the extractor is frozen, global params = the public negatives).
 
     prototypes [S, D] (closed form), support [N, D] embeddings with speaker `label` [N],
     negatives [P, D] public prototypes. Each epoch walks speaker s's support chunks in order,
-    batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss (as
-    fl.recon's client). The extractor is frozen, so its embeddings are computed once and the
-    task wraps an identity map: the same loss code, none of the extractor's cost.
+    batches of `batch_size`, one step each on the masked mean of SpeakerReconTask's loss. The
+    embeddings are computed once and the task wraps an identity map: the same loss code, none
+    of the extractor's cost.
     """
     if steps == 0:
         return prototypes.clone()
     task = _embedding_task(support.shape[1], scale, margin)
-    out = prototypes.clone()
-    neg = negatives.detach()
-    for s in range(len(prototypes)):
-        e = support[label == s].detach()
-        p = prototypes[s : s + 1].clone()
-        for _ in range(steps):
-            for i in range(0, len(e), batch_size):
-                x = e[i : i + batch_size]
-                q = p.requires_grad_(True)
-                b = {"x": x, "slot": torch.zeros(len(x), dtype=torch.long)}
-                loss = task.loss({PROTOTYPES: q, NEGATIVES: neg}, b).mean()
-                (g,) = torch.autograd.grad(loss, q)
-                p = (q - lr * g).detach()
-        out[s] = p[0]
-    return out
-
-
-def score_prototypes(
-    prototypes: Tensor, query: Tensor, query_label: Tensor
-) -> dict[str, float | int]:
-    """Cosine-score every (query utterance, prototype) pair: EER, minDCF(0.01), spread
-    (mean pairwise 1 − cos between prototypes), accuracy (closest prototype is the own)."""
-    p = F.normalize(prototypes, dim=-1)
-    scores = F.normalize(query, dim=-1) @ p.T  # [Q, S]
-    is_tgt = query_label.unsqueeze(1) == torch.arange(len(p))
-    m = evaluate_scores(scores.flatten().numpy(), is_tgt.flatten().numpy())
-    off = ~torch.eye(len(p), dtype=torch.bool)
-    return {
-        "eer": m.eer,
-        "min_dcf_01": m.min_dcf_01,
-        "spread": float((1.0 - p @ p.T)[off].mean()),
-        "accuracy": float((scores.argmax(1) == query_label).float().mean()),
-        "n_target": m.n_target,
-        "n_nontarget": m.n_nontarget,
-    }
+    store = {"x": support.detach(), "slot": torch.zeros(len(support), dtype=torch.long)}
+    rows = [np.flatnonzero(label.numpy() == s) for s in range(len(prototypes))]
+    population = Population(store, rows)
+    batches = [[r[i : i + batch_size] for i in range(0, len(r), batch_size)] for r in rows]
+    g = broadcast_view([{NEGATIVES: negatives.detach()}] * len(prototypes))
+    local = {PROTOTYPES: prototypes.unsqueeze(1)}  # one slot per speaker
+    cfg = ClientConfig(batch_size=batch_size)
+    out = reconstruct_stacked(
+        task, population, batches, g, local, cfg, ReconConfig(steps=steps, lr=lr)
+    )
+    return out[PROTOTYPES][:, 0]
 
 
 @dataclass
@@ -305,6 +284,37 @@ def recon_eval_speakers(
     rate = f.reconstruction.lr if lr is None else float(lr)
     if not rate > 0:
         raise ConfigError("lr", f"must be > 0, got {rate}", "use e.g. 0.1")
+    rows, n_public = _rows(inputs, steps, rate)
+    result = {
+        "run": str(run_path),
+        "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
+        "query_embedding": QUERY_EMBEDDING,
+        "split": "by utterance: even positions (sorted ids) support, odd query",
+        "lr": rate,
+        "batch_size": f.local_batch_size,
+        "margin": inputs.cfg.model.margin,
+        "scale": inputs.cfg.model.scale,
+        "chunk_frames": inputs.chunk_frames,
+        "public_speakers": n_public,
+        "n_speakers": len(inputs.split.speakers),
+        "n_support_utts": sum(len(u) for u in inputs.split.support),
+        "n_query_utts": sum(len(u) for u in inputs.split.query),
+        "n_support_chunks": len(inputs.support),
+        "seconds": round(time.perf_counter() - t0, 2),
+        "results": rows,
+    }
+    folder = Path(run_path)
+    atomic_write_text(folder / JSON_FILE, json.dumps(result, indent=2) + "\n")
+    md = folder / MD_FILE
+    old = md.read_text() if md.is_file() else "# RECONEVAL on unseen speakers\n"
+    atomic_write_text(md, old.rstrip("\n") + "\n\n" + markdown_table(result))
+    return result
+
+
+def _rows(inputs: ReconEvalInputs, steps: Sequence[int], rate: float) -> tuple[list[dict], int]:
+    """One result row per k in `steps` (scores, and the support loss with negatives) and the
+    number of public negatives used (0 when every k is the closed form)."""
+    f = inputs.federated()
     base = inputs.closed_form()
     negatives = None
     n_public = 0
@@ -340,30 +350,7 @@ def recon_eval_speakers(
             )
             row["support_loss"] = float(loss.mean())
         rows.append(row)
-    result = {
-        "run": str(run_path),
-        "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
-        "query_embedding": QUERY_EMBEDDING,
-        "split": "by utterance: even positions (sorted ids) support, odd query",
-        "lr": rate,
-        "batch_size": f.local_batch_size,
-        "margin": inputs.cfg.model.margin,
-        "scale": inputs.cfg.model.scale,
-        "chunk_frames": inputs.chunk_frames,
-        "public_speakers": n_public,
-        "n_speakers": len(inputs.split.speakers),
-        "n_support_utts": sum(len(u) for u in inputs.split.support),
-        "n_query_utts": sum(len(u) for u in inputs.split.query),
-        "n_support_chunks": len(inputs.support),
-        "seconds": round(time.perf_counter() - t0, 2),
-        "results": rows,
-    }
-    folder = Path(run_path)
-    atomic_write_text(folder / JSON_FILE, json.dumps(result, indent=2) + "\n")
-    md = folder / MD_FILE
-    old = md.read_text() if md.is_file() else "# RECONEVAL on unseen speakers\n"
-    atomic_write_text(md, old.rstrip("\n") + "\n\n" + markdown_table(result))
-    return result
+    return rows, n_public
 
 
 def markdown_table(result: Mapping) -> str:

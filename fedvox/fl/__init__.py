@@ -1,4 +1,4 @@
-"""The federated engine: population, virtual clock, client update, aggregation, algorithms.
+"""The federated engine: population, virtual clock, local training (fl.local), aggregation, algorithms.
 
 Generic over models: a Task gives initial parameters and a functional per-example loss; the
 engine never imports an execution backend, the experiment layer or the command line.
@@ -14,10 +14,18 @@ from fedvox.fl.algorithms import (
     make_algorithm,
     staleness_weight,
 )
-from fedvox.fl.client import ClientConfig, ClientResults, ModuleTask, Task, train_clients
 from fedvox.fl.clock import DelayModel, EventQueue, diurnal_availability
+from fedvox.fl.local import (
+    ClientConfig,
+    ClientResults,
+    ModuleTask,
+    ReconConfig,
+    Task,
+    make_recon_update,
+    recon_eval,
+    train_clients,
+)
 from fedvox.fl.population import Population
-from fedvox.fl.recon import ReconConfig, make_recon_update, recon_eval
 from fedvox.fl.server_opt import (
     ServerAdagrad,
     ServerAdam,

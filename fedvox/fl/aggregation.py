@@ -1,6 +1,6 @@
 """Aggregation primitives: broadcast, client delta, weighted sum (a pipeline of stages).
 
-Between the client update (fl/client.py) and the server optimiser (fl/server_opt.py).
+Between the client update (fl/local/) and the server optimiser (fl/server_opt.py).
 Algorithms only choose weights and how to turn (sum, total weight) into Δ̄; clipping,
 secure summation and DP noise will be `SumStage`s here, invisible to the algorithms.
 """

@@ -18,8 +18,8 @@ import torch
 from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import Aggregator, NoiseStage, Summer, SumStage
 from fedvox.fl.algorithms.base import Algorithm
-from fedvox.fl.client import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
+from fedvox.fl.local import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.population import Population
 from fedvox.rng import Purpose, derived_rng
 from fedvox.types import Params
@@ -39,7 +39,7 @@ def plain_client_update(
     cfg: ClientConfig,
 ) -> ClientResults:
     """The default client update: local SGD on every parameter the server sends."""
-    return train_clients(task.loss, population, jobs, starts, cfg)
+    return train_clients(task, population, jobs, starts, cfg)
 
 
 # Rejection-sampling tries before an async selection falls back to scanning every client.

@@ -13,13 +13,7 @@ from torch import nn
 from fedvox.errors import ConfigError
 from fedvox.models.ecapa import ECAPATDNN
 from fedvox.models.heads import AAMSoftmax, LinearHead, margin_schedule
-from fedvox.models.step import (
-    SpeakerModel,
-    functional_loss,
-    merged_parameters,
-    speaker_loss,
-    train_step,
-)
+from fedvox.models.step import speaker_loss, train_step
 from fedvox.models.xvector import NORMS, XVector
 
 __all__ = [
@@ -28,13 +22,10 @@ __all__ = [
     "NORMS",
     "AAMSoftmax",
     "LinearHead",
-    "SpeakerModel",
     "XVector",
     "build_extractor",
     "count_parameters",
-    "functional_loss",
     "margin_schedule",
-    "merged_parameters",
     "speaker_loss",
     "train_step",
 ]

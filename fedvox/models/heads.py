@@ -19,15 +19,32 @@ from fedvox.errors import ConfigError
 _SIN2_FLOOR = 1e-7
 
 
-class AAMSoftmax(nn.Module):
-    """Additive angular margin softmax (ArcFace; WeSpeaker's ArcMarginProduct).
+def check_margin(m: float, field: str = "model.margin") -> float:
+    """The angular margin (radians) as a float; refuses one outside [0, pi/2)."""
+    if not 0.0 <= m < math.pi / 2:
+        raise ConfigError(field, f"margin={m} outside [0, pi/2)", "use 0-0.5")
+    return float(m)
 
-    logit_j = s*cos(theta_j) for j != y and s*cos(theta_y + m) for the target, with
-    embeddings and class vectors L2-normalised. cos(theta + m) is computed as
-    cos*cos(m) - sin*sin(m); where theta + m would pass pi (cos theta < cos(pi - m)) the
-    target logit falls back to s*(cos theta - 1 - cos(pi - m)), WeSpeaker's threshold form,
-    which is continuous there and keeps the target logit decreasing in theta. Only the target
-    column is touched, via a comparison with the labels, so it works under torch.func.vmap.
+
+def aam_logits(cosine: Tensor, is_target: Tensor, scale: float, margin: float) -> Tensor:
+    """AAM logits from cosines [..., C] and a boolean target mask [..., C]: s·cos θ_j, and
+    s·cos(θ_y + m) in the target column, cos(θ + m) as cos·cos m − sin·sin m; past π − m the
+    target falls back to s·(cos θ − 1 − cos(π − m)) (WeSpeaker). Pure, so it vmaps; shared by
+    the centralised head and the federated speaker tasks."""
+    if margin == 0.0:
+        return scale * cosine
+    cos_y = (cosine * is_target).sum(dim=-1, keepdim=True)
+    sin_y = (1.0 - cos_y * cos_y).clamp(min=_SIN2_FLOOR).sqrt()
+    phi = cos_y * math.cos(margin) - sin_y * math.sin(margin)
+    threshold = math.cos(math.pi - margin)
+    phi = torch.where(cos_y > threshold, phi, cos_y - (1.0 + threshold))
+    return scale * torch.where(is_target, phi, cosine)
+
+
+class AAMSoftmax(nn.Module):
+    """Additive angular margin softmax (ArcFace; WeSpeaker's ArcMarginProduct): class vectors
+    [n_classes, emb_dim] and `aam_logits` over the cosines to them (the target column found by
+    comparison with the labels, so it works under torch.func.vmap).
     """
 
     def __init__(
@@ -49,13 +66,7 @@ class AAMSoftmax(nn.Module):
 
     def set_margin(self, m: float) -> None:
         """Set the angular margin (radians), e.g. from `margin_schedule` each epoch."""
-        if not 0.0 <= m < math.pi / 2:
-            raise ConfigError("model.head.margin", f"margin={m} outside [0, pi/2)", "use 0-0.5")
-        self.margin = float(m)
-        self._cos_m = math.cos(m)
-        self._sin_m = math.sin(m)
-        self._threshold = math.cos(math.pi - m)
-        self._fallback = 1.0 + math.cos(math.pi - m)
+        self.margin = check_margin(m, "model.head.margin")
 
     def cosine(self, emb: Tensor) -> Tensor:
         """Cosine similarity [B, n_classes] between embeddings and class vectors."""
@@ -64,14 +75,10 @@ class AAMSoftmax(nn.Module):
     def forward(self, emb: Tensor, labels: Tensor | None = None) -> Tensor:
         """Logits [B, n_classes]; without labels, plain s*cos (no margin) for inference."""
         cosine = self.cosine(emb)
-        if labels is None or self.margin == 0.0:
+        if labels is None:
             return self.scale * cosine
         is_target = torch.arange(self.n_classes, device=emb.device) == labels.unsqueeze(-1)
-        cos_y = (cosine * is_target).sum(dim=-1, keepdim=True)
-        sin_y = (1.0 - cos_y * cos_y).clamp(min=_SIN2_FLOOR).sqrt()
-        phi = cos_y * self._cos_m - sin_y * self._sin_m
-        phi = torch.where(cos_y > self._threshold, phi, cos_y - self._fallback)
-        return self.scale * torch.where(is_target, phi, cosine)
+        return aam_logits(cosine, is_target, self.scale, self.margin)
 
     def extra_repr(self) -> str:
         return (

@@ -1,16 +1,14 @@
-"""One training step of extractor + speaker head, eager or functional (torch.func).
+"""One training step of extractor + speaker head, and the per-example loss it is made of.
 
-Called by trainers and by the federated engine, which vmaps `functional_loss` over clients.
+Called by the centralised trainer (`train_step`) and by the global-head speaker task, which
+vmaps `speaker_losses` over clients.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 
 
 def _head_input(extractor: nn.Module, feats: Tensor) -> Tensor:
@@ -53,49 +51,3 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     optimizer.step()
     return float(loss.detach())
-
-
-class SpeakerModel(nn.Module):
-    """extractor + head as one module whose forward is the loss.
-
-    Its names ("extractor.<name>", "head.<name>") are the keys of the parameter dicts that
-    `functional_loss` takes; the wrapper holds the original modules, it copies nothing.
-    """
-
-    def __init__(self, extractor: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.extractor = extractor
-        self.head = head
-
-    def forward(self, feats: Tensor, labels: Tensor) -> Tensor:
-        return speaker_loss(self.extractor, self.head, feats, labels)
-
-
-def merged_parameters(
-    extractor: nn.Module, head: nn.Module, include_buffers: bool = False
-) -> dict[str, Tensor]:
-    """{"extractor.<name>": tensor, "head.<name>": tensor} for `functional_loss` (detached)."""
-    model = SpeakerModel(extractor, head)
-    out = {k: v.detach() for k, v in model.named_parameters()}
-    if include_buffers:
-        out.update({k: v.detach() for k, v in model.named_buffers()})
-    return out
-
-
-def functional_loss(
-    extractor: nn.Module, head: nn.Module
-) -> Callable[[dict[str, Tensor], Tensor, Tensor], Tensor]:
-    """f(params, feats, labels) -> loss, the modules' structure with tensors from `params`.
-
-    `params` is keyed as `merged_parameters` (parameters, optionally buffers; any name left
-    out is taken from the modules). f is pure, so the federated engine can run
-    torch.func.vmap(torch.func.grad(f)) over parameters stacked along a client axis. Use
-    norm="layer" or "none" there: BatchNorm in training mode updates running statistics in
-    place, which vmap cannot do, and mixes examples within a client's batch.
-    """
-    model = SpeakerModel(extractor, head)
-
-    def loss(params: dict[str, Tensor], feats: Tensor, labels: Tensor) -> Tensor:
-        return functional_call(model, params, (feats, labels))
-
-    return loss

@@ -1,7 +1,7 @@
 """Matrix factorisation for Federated Reconstruction: ratings data, the ReconTask, the baseline.
 
 Ratings (synthetic or MovieLens-1M ratings.dat) → one client per user (mf_population) → MFTask
-(items global, user vector local) trained by fl.Simulator + fl.recon; centralised_mf compares.
+(items global, user vector local) trained by fl.Simulator + fl.local; centralised_mf compares.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""Random fixed-length training chunks cut from in-memory feature matrices.
+"""Fixed-length training chunks cut from in-memory feature matrices, and chunk stores.
 
 x-vector training sees 2–4 s crops (200–400 frames); every batch shares one length so it
-stacks into a tensor. All randomness comes from the generator passed in.
+stacks into a tensor. All randomness comes from the generator passed in. `chunk_store` lays
+the chunks of many utterances out as one store for a federated population.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+from torch import Tensor
 
 
 def crop(feats: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
@@ -100,3 +103,38 @@ def sliding_chunks(feats: np.ndarray, length: int, hop: int) -> np.ndarray:
         return fixed_chunks(feats, length)
     starts = range(0, n - length + 1, hop)
     return np.stack([feats[s : s + length] for s in starts])
+
+
+def chunk_store(
+    feats: dict[str, np.ndarray],
+    utts: list[str],
+    labels: np.ndarray,
+    length: int,
+    hop: int | None = None,
+) -> tuple[dict[str, Tensor], list[np.ndarray], np.ndarray | None]:
+    """One shared store {"x": [N, L, D], "y": [N], "group": [N]} and the chunk rows of each
+    utterance; with `hop`, also how many windows make one epoch of each utterance.
+
+    hop None: non-overlapping fixed chunks (take is None). hop h: every window at a multiple
+    of h, and take[u] = the number of fixed chunks utterance u would have, so a device that
+    draws take[u] windows per recording per epoch (Population groups/take) trains on as much
+    as with fixed chunks, at fresh positions: the random crops the centralised trainer uses.
+    """
+    xs, ys, rows, takes, start = [], [], [], [], 0
+    for u, y in zip(utts, labels, strict=True):
+        f = feats[u]
+        c = fixed_chunks(f, length) if hop is None else sliding_chunks(f, length, hop)
+        takes.append(max(1, len(f) // length))  # what fixed_chunks would give
+        xs.append(c)
+        ys.append(np.full(len(c), y, dtype=np.int64))
+        rows.append(np.arange(start, start + len(c)))
+        start += len(c)
+    store = {
+        "x": torch.from_numpy(np.concatenate(xs)),
+        "y": torch.from_numpy(np.concatenate(ys)),
+        # the recording each chunk comes from (Federated Reconstruction's "groups" split)
+        "group": torch.from_numpy(
+            np.concatenate([np.full(len(r), i, dtype=np.int64) for i, r in enumerate(rows)])
+        ),
+    }
+    return store, rows, (None if hop is None else np.asarray(takes, dtype=np.int64))

@@ -1,0 +1,159 @@
+"""The public speakers: fixed chunks of synthetic voices the server holds, and their prototypes.
+
+Part of fedvox.tasks.speakers: the server embeds them with each model version and broadcasts
+the prototypes as negatives for devices that hold one speaker (prototypes.SpeakerReconTask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fedvox.data.corpus import load_kaldi_dir
+from fedvox.data.features import FeatureConfig
+from fedvox.data.store import FeatureStore, extract_corpus
+from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
+from fedvox.errors import ConfigError, DataError
+from fedvox.training.chunks import fixed_chunks
+from fedvox.types import Params
+
+NEGATIVES = "public_negatives"  # reserved broadcast key: [P, emb_dim], never aggregated
+PUBLIC_SEED_OFFSET = 1_000_003  # public speakers: synthetic seed + this (disjoint voices)
+
+
+class Embedder(Protocol):
+    """A task that embeds chunks under given global parameters (every speaker task does)."""
+
+    def embed(self, params: Mapping[str, Tensor], x: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class PublicStore:
+    """Fixed chunks of P public speakers held by the server: x [N, L, F], y [N] in 0..P-1."""
+
+    x: Tensor
+    y: Tensor
+    speakers: tuple[str, ...]
+
+    @property
+    def n_speakers(self) -> int:
+        return len(self.speakers)
+
+    def broadcast_bytes(self, emb_dim: int) -> int:
+        """Extra download per client trip: the float32 negatives [P, emb_dim]."""
+        return 4 * self.n_speakers * emb_dim
+
+
+def public_store_from_features(
+    feats: Mapping[str, np.ndarray],
+    speaker_of: Mapping[str, str] | Callable[[str], str],
+    n_speakers: int | None = None,
+    chunks_per_speaker: int = 2,
+    chunk_frames: int = 200,
+) -> PublicStore:
+    """PublicStore from extracted features {utt: [frames, dim]}: the first `n_speakers`
+    speakers (sorted ids; None = all), each with its first `chunks_per_speaker` fixed chunks
+    over its utterances in sorted order. Deterministic: no randomness involved."""
+    spk = speaker_of if callable(speaker_of) else speaker_of.__getitem__
+    by_speaker: dict[str, list[str]] = {}
+    for u in sorted(feats):
+        by_speaker.setdefault(spk(u), []).append(u)
+    speakers = sorted(by_speaker)
+    if n_speakers is not None:
+        if n_speakers > len(speakers):
+            raise DataError(
+                None,
+                f"{n_speakers} public speakers requested, the features hold {len(speakers)}",
+                "ask for fewer public speakers or pass more",
+            )
+        speakers = speakers[:n_speakers]
+    if chunks_per_speaker < 1 or chunk_frames < 1 or not speakers:
+        raise ConfigError(
+            "public",
+            f"{len(speakers)} speakers, chunks_per_speaker={chunks_per_speaker}, "
+            f"chunk_frames={chunk_frames}",
+            "use at least one speaker, chunk and frame",
+        )
+    xs, ys = [], []
+    for i, s in enumerate(speakers):
+        chunks = np.concatenate([fixed_chunks(feats[u], chunk_frames) for u in by_speaker[s]])
+        if len(chunks) < chunks_per_speaker:
+            raise DataError(
+                None,
+                f"public speaker {s} has {len(chunks)} chunks of {chunk_frames} frames, "
+                f"{chunks_per_speaker} needed",
+                "use fewer chunks per speaker or longer/more utterances",
+            )
+        xs.append(chunks[:chunks_per_speaker])
+        ys.append(np.full(chunks_per_speaker, i, dtype=np.int64))
+    x = torch.from_numpy(np.ascontiguousarray(np.concatenate(xs), dtype=np.float32))
+    return PublicStore(x, torch.from_numpy(np.concatenate(ys)), tuple(speakers))
+
+
+def public_synthetic_config(
+    synthetic: SyntheticConfig,
+    n_speakers: int = 100,
+    chunks_per_speaker: int = 2,
+    seed_offset: int = PUBLIC_SEED_OFFSET,
+) -> SyntheticConfig:
+    """The public corpus: the training corpus's generator settings with another seed (so other
+    voices), `n_speakers` train speakers with one utterance per chunk wanted."""
+    return replace(
+        synthetic,
+        seed=synthetic.seed + seed_offset,
+        n_train_speakers=n_speakers,
+        train_utts_per_speaker=chunks_per_speaker,
+        n_test_speakers=2,
+        test_utts_per_speaker=2,
+    )
+
+
+def public_speaker_store(
+    synthetic: SyntheticConfig,
+    features: FeatureConfig,
+    n_speakers: int = 100,
+    chunks_per_speaker: int = 2,
+    chunk_frames: int = 200,
+    cache_root: Path | None = None,
+    feature_store: FeatureStore | None = None,
+    seed_offset: int = PUBLIC_SEED_OFFSET,
+    workers: int = 1,
+    progress: bool = False,
+) -> PublicStore:
+    """Generate (or reuse from the cache) the public synthetic corpus and extract its
+    features with the run's FeatureConfig (experiment.prepare.feature_config) → PublicStore."""
+    cfg = public_synthetic_config(synthetic, n_speakers, chunks_per_speaker, seed_offset)
+    root = ensure_corpus(cfg, cache_root=cache_root, workers=workers, progress=progress)
+    corpus = load_kaldi_dir(root / "train")
+    feats = extract_corpus(corpus, features, feature_store, workers=workers, progress=progress)
+    return public_store_from_features(
+        feats, corpus.speaker_of, n_speakers, chunks_per_speaker, chunk_frames
+    )
+
+
+def public_prototypes(
+    task: Embedder, params: Mapping[str, Tensor], store: PublicStore, batch: int = 256
+) -> Tensor:
+    """Normalised mean normalised embedding of each public speaker [P, emb_dim] under the
+    extractor in `params` (no gradient; fixed batching, so the bits depend on params only)."""
+    with torch.no_grad():
+        embs = [
+            F.normalize(task.embed(params, store.x[i : i + batch]), dim=-1)
+            for i in range(0, len(store.x), batch)
+        ]
+        e = torch.cat(embs)
+        sums = torch.zeros(store.n_speakers, e.shape[1], dtype=e.dtype).index_add_(0, store.y, e)
+    return F.normalize(sums, dim=-1)
+
+
+def with_negatives(task: Embedder, params: Params, public: PublicStore) -> Params:
+    """Global params plus the public negatives of that version, as a client receives them
+    (for fl.recon_eval with task.loss as a metric)."""
+    return {**params, NEGATIVES: public_prototypes(task, params, public)}

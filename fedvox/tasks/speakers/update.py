@@ -1,0 +1,99 @@
+"""The client update of the local-prototype task: the server's public negatives, per version.
+
+Part of fedvox.tasks.speakers: wraps fl's Federated Reconstruction client update so each
+start version travels with its public prototypes (memoised per version).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+
+from torch import Tensor
+
+from fedvox.errors import ConfigError
+from fedvox.fl.local import ClientConfig, ClientResults, ReconConfig, train_clients_recon
+from fedvox.fl.population import Population
+from fedvox.tasks.speakers.prototypes import SpeakerReconTask
+from fedvox.tasks.speakers.public import NEGATIVES, PublicStore, public_prototypes
+from fedvox.types import Params
+
+ClientUpdate = Callable[
+    [SpeakerReconTask, Population, list[tuple[int, int]], list[Params], ClientConfig],
+    ClientResults,
+]
+
+
+def make_speaker_recon_update(
+    public: PublicStore | None, recon: ReconConfig, cache_size: int = 256
+) -> ClientUpdate:
+    """A Simulator `client_update` for SpeakerReconTask (the task the simulator passes).
+
+    For each distinct start version the server computes the public negatives with that
+    version's extractor once, adds them under NEGATIVES to a copy of the start params (one
+    copy per version per call, so clients of one version still share a broadcast view), runs
+    fl.local.train_clients_recon, and removes NEGATIVES from the deltas (zero anyway: they
+    are detached in the loss).
+
+    The negatives are memoised per version: by the identity of the start dict, validated by
+    a weak reference to its first tensor (so a reused id is detected without keeping old
+    models alive: only the [P, emb] prototypes are held, for at most `cache_size` versions).
+    FedBuff keeps about C/K versions in flight and completes them interleaved, hence the
+    default (docs/federated.md, notes). The prototypes are a pure function of the version,
+    so the cache never changes a bit.
+    """
+    if not recon.closed_form:
+        raise ConfigError(
+            "reconstruction.closed_form",
+            "speaker prototypes are enrolled in closed form (the mean support embedding)",
+            "set closed_form = true (steps = 0, or a few refinement steps)",
+        )
+    if cache_size < 1:
+        raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 256")
+    cache: OrderedDict[int, tuple[weakref.ref, Tensor]] = OrderedDict()
+
+    def client_update(
+        task: SpeakerReconTask,
+        population: Population,
+        jobs: list[tuple[int, int]],
+        starts: list[Params],
+        cfg: ClientConfig,
+    ) -> ClientResults:
+        if not isinstance(task, SpeakerReconTask):
+            raise ConfigError(
+                "task", f"{type(task).__name__} is not a SpeakerReconTask", "use SpeakerReconTask"
+            )
+        slots = population.store.get("slot")
+        if slots is None or int(slots.max()) >= task.max_local:
+            raise ConfigError(
+                "population",
+                "no 'slot' field, or more local speakers than the task's max_local",
+                "build the population with speaker_population(..., max_local=task.max_local)",
+            )
+        if task.negatives != "public":
+            return train_clients_recon(task, population, jobs, starts, cfg, recon)
+        if public is None:
+            raise ConfigError(
+                "public", "negatives = 'public' but no public speakers were given", "pass one"
+            )
+        sent: list[Params] = []
+        merged: dict[int, Params] = {}
+        for st in starts:
+            key = id(st)
+            if key not in merged:
+                first = next(iter(st.values()))
+                hit = cache.get(key)
+                if hit is None or hit[0]() is not first:
+                    hit = (weakref.ref(first), public_prototypes(task, st, public))
+                    cache[key] = hit
+                    while len(cache) > cache_size:
+                        cache.popitem(last=False)
+                cache.move_to_end(key)
+                merged[key] = {**st, NEGATIVES: hit[1]}
+            sent.append(merged[key])
+        results = train_clients_recon(task, population, jobs, sent, cfg, recon)
+        results.delta.pop(NEGATIVES)
+        return results
+
+    return client_update
