@@ -357,7 +357,7 @@ class FederatedSection(_Strict):
         """Local training of one trip (fedvox.fl.ClientConfig)."""
         from fedvox.fl import ClientConfig
 
-        with toml_paths(_FEDERATED_PATHS):
+        with toml_paths(FEDERATED_PATHS):
             return ClientConfig(
                 epochs=self.local_epochs,
                 batch_size=self.local_batch_size,
@@ -369,7 +369,7 @@ class FederatedSection(_Strict):
         """The clock and cohort (fedvox.fl.SimulatorConfig)."""
         from fedvox.fl import DelayModel, SimulatorConfig
 
-        with toml_paths(_FEDERATED_PATHS):
+        with toml_paths(FEDERATED_PATHS):
             return SimulatorConfig(
                 concurrency=self.concurrency,
                 delay=DelayModel(distribution=self.delay, mean=self.delay_mean_s),
@@ -389,7 +389,7 @@ class FederatedSection(_Strict):
             kw["momentum"] = self.server_momentum
         else:
             kw["tau"] = self.server_tau
-        with toml_paths(_FEDERATED_PATHS):
+        with toml_paths(FEDERATED_PATHS):
             opt = make_server_optimizer(self.server_optimizer, **kw)
         if self.server_warmup_steps or self.server_final_lr is not None:
             final = (self.server_final_lr or self.server_lr) / self.server_lr
@@ -415,7 +415,7 @@ class FederatedSection(_Strict):
                 "staleness": self.staleness,
                 "max_staleness": self.max_staleness,
             }
-        with toml_paths(_FEDERATED_PATHS):
+        with toml_paths(FEDERATED_PATHS):
             algorithm = make_algorithm(self.algorithm, **kw)
             algorithm.validate(self.concurrency)
         return algorithm
@@ -429,7 +429,7 @@ class FederatedSection(_Strict):
         self.partition.partition_config()
 
 
-_FEDERATED_PATHS = {
+FEDERATED_PATHS = {
     "client.epochs": "federated.local_epochs",
     "client.batch_size": "federated.local_batch_size",
     "client.lr": "federated.local_lr",

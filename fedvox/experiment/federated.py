@@ -16,27 +16,20 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fedvox.data.partition import Partition, PartitionConfig, partition_corpus
+from fedvox.data.partition import Partition, partition_corpus
 from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError
-from fedvox.experiment.config import ExperimentConfig, FederatedSection
+from fedvox.experiment.config import (
+    FEDERATED_PATHS,
+    ExperimentConfig,
+    FederatedSection,
+    toml_paths,
+)
 from fedvox.experiment.evaluate import quick_eval
-from fedvox.experiment.prepare import PreparedData, feature_config, synthetic_config
+from fedvox.experiment.prepare import PreparedData
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
-from fedvox.fl import (
-    Algorithm,
-    ClientConfig,
-    DelayModel,
-    Population,
-    ServerOptimizer,
-    Simulator,
-    SimulatorConfig,
-    make_algorithm,
-    make_server_optimizer,
-)
-from fedvox.fl.local import ReconConfig
-from fedvox.fl.server_opt import warmup_decay
+from fedvox.fl import Algorithm, Population, Simulator
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.progress import task_progress
@@ -81,18 +74,6 @@ def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> Speaker
     )
 
 
-def partition_config(f: FederatedSection) -> PartitionConfig:
-    p = f.partition
-    return PartitionConfig(
-        scheme=p.scheme,
-        k=p.k,
-        n_clients=p.n_clients,
-        alpha=p.alpha,
-        sigma=p.sigma,
-        min_utts=p.min_utts,
-    )
-
-
 @dataclass
 class FederatedSetup:
     """Everything a federated run is built from; rebuilt identically on resume."""
@@ -112,7 +93,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     part = partition_corpus(
         utts,
         data.train_corpus.speaker_of,
-        partition_config(f),
+        f.partition.partition_config(),
         seed=cfg.seed,
         exclude_speakers=data.test_corpus.speakers(),
     )
@@ -120,7 +101,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     crops = {} if take is None else {"groups": store["group"].numpy(), "take": take}
     row_of = dict(zip(utts, rows, strict=True))
     clients = [np.concatenate([row_of[u] for u in client]) for client in part.clients]
-    algorithm = build_algorithm(f, build_server_optimizer(f))
+    algorithm = build_algorithm(f)
     client_update = None
     extra_bytes_down = 0
     if f.speakers == "local":
@@ -132,57 +113,27 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         task = _global_task(cfg, data)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
-    sim = Simulator(
-        task,
-        population,
-        algorithm,
-        ClientConfig(epochs=f.local_epochs, batch_size=f.local_batch_size, lr=f.local_lr, mu=f.mu),
-        SimulatorConfig(
-            concurrency=f.concurrency,
-            delay=DelayModel(distribution=f.delay, mean=f.delay_mean_s),
-            over_selection=f.over_selection,
-            dropout=f.dropout,
-            seed=cfg.seed,
-            once_per_epoch=privacy.mechanism == "dp_ftrl",
-        ),
-        callback=setup.records.append,
-        stages=privacy.stages,
-        summer=privacy.summer,
-        noise=privacy.noise,
-        client_update=client_update,
-        extra_bytes_down=extra_bytes_down,
-    )
+    with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
+        sim = Simulator(
+            task,
+            population,
+            algorithm,
+            f.client_config(),
+            f.simulator_config(cfg.seed, once_per_epoch=privacy.mechanism == "dp_ftrl"),
+            callback=setup.records.append,
+            stages=privacy.stages,
+            summer=privacy.summer,
+            noise=privacy.noise,
+            client_update=client_update,
+            extra_bytes_down=extra_bytes_down,
+        )
     setup.simulator = sim
     return setup
 
 
-def build_server_optimizer(f: FederatedSection) -> ServerOptimizer:
-    """The server optimiser of [federated], with its warm-up/decay schedule if one is set."""
-    opt_kw = {"lr": f.server_lr}
-    if f.server_optimizer == "sgd":
-        opt_kw["momentum"] = f.server_momentum
-    else:
-        opt_kw["tau"] = f.server_tau
-    server_opt = make_server_optimizer(f.server_optimizer, **opt_kw)
-    if f.server_warmup_steps or f.server_final_lr is not None:
-        final = (f.server_final_lr or f.server_lr) / f.server_lr
-        server_opt.schedule = warmup_decay(f.server_warmup_steps, f.server_steps, final)
-    return server_opt
-
-
-def build_algorithm(f: FederatedSection, server_opt: ServerOptimizer) -> Algorithm:
+def build_algorithm(f: FederatedSection) -> Algorithm:
     """The algorithm of [federated]; FedAwS wraps it in the server's spreadout."""
-    if f.algorithm == "fedavg":
-        algorithm = make_algorithm("fedavg", server_opt=server_opt, weighting=f.weighting)
-    elif f.algorithm == "fedbuff":
-        kw = {"staleness": f.staleness, "max_staleness": f.max_staleness}
-        algorithm = make_algorithm(
-            "fedbuff", buffer_size=f.buffer_size, server_opt=server_opt, **kw
-        )
-    else:
-        algorithm = make_algorithm(
-            "fedasync", alpha=f.async_alpha, staleness=f.staleness, max_staleness=f.max_staleness
-        )
+    algorithm = f.algorithm_object(f.server_optimizer_object())
     if f.speakers != "fedaws":
         return algorithm
     a = f.fedaws
@@ -230,8 +181,8 @@ def _local_speakers(
     )
     population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
     public = public_speaker_store(
-        synthetic_config(cfg.data),
-        feature_config(cfg.features),
+        cfg.data.synthetic.generator_config(),
+        cfg.features.feature_config(),
         n_speakers=r.public_speakers,
         chunks_per_speaker=r.public_chunks,
         chunk_frames=f.chunk_frames,
@@ -239,8 +190,7 @@ def _local_speakers(
         feature_store=FeatureStore(Path(cfg.data.cache_dir) / "features"),
         workers=cfg.data.workers,
     )
-    recon = ReconConfig(steps=r.steps, lr=r.lr, split=r.split, closed_form=True)
-    update = make_speaker_recon_update(public, recon)
+    update = make_speaker_recon_update(public, r.recon_config())
     return task, population, update, public.broadcast_bytes(task.emb_dim)
 
 
