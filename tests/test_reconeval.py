@@ -25,7 +25,7 @@ from fedvox.experiment.reconeval import (
     split_unseen,
     support_loss,
 )
-from fedvox.experiment.runner import weights_hash
+from fedvox.models.io import weights_hash
 
 runner = CliRunner()
 

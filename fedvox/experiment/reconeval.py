@@ -24,7 +24,7 @@ from fedvox.eval.metrics import evaluate_scores
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
 from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
 from fedvox.experiment.runfolder import RunFolder
-from fedvox.experiment.runner import load_model
+from fedvox.experiment.runfolder import load_run_model as load_model
 from fedvox.tasks.speakers import (
     NEGATIVES,
     PROTOTYPES,

@@ -10,11 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from fedvox.atomic import atomic_write, atomic_write_text
-from fedvox.errors import FedvoxError
+from fedvox.atomic import atomic_write_text
 from fedvox.eval.plots import plot_det
 from fedvox.experiment.config import ExperimentConfig
 from fedvox.experiment.evaluate import (
@@ -28,11 +26,9 @@ from fedvox.experiment.evaluate import (
 from fedvox.experiment.fedstats import write_fed_stats
 from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
-from fedvox.experiment.runfolder import RunFolder
-from fedvox.models import build_extractor
+from fedvox.experiment.runfolder import RunFolder, load_run_model
+from fedvox.models.io import save_model, weights_hash
 from fedvox.training.centralised import TrainState, init_training, set_determinism, train
-
-MODEL_FILE = "model.pt"
 
 
 def total_steps(cfg: ExperimentConfig) -> int:
@@ -44,47 +40,6 @@ def eval_points(steps: int) -> list[int]:
     """Steps with a quick cosine evaluation: a barely trained point (1%), then quarters."""
     pts = {max(1, steps // 100), steps // 4, steps // 2, 3 * steps // 4}
     return sorted(p for p in pts if 0 < p < steps)
-
-
-def weights_hash(module: nn.Module) -> str:
-    """sha256 of every tensor in the state dict, in order: equal hashes ⇔ equal weights."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for k, v in module.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def save_model(run: RunFolder, cfg: ExperimentConfig, extractor: nn.Module, feat_dim: int) -> Path:
-    """The trained extractor with what is needed to rebuild it (atomic)."""
-    blob = {
-        "model_name": cfg.model.name,
-        "norm": cfg.model_norm(),
-        "embedding_layer": cfg.model.embedding_layer,
-        "feat_dim": feat_dim,
-        "extractor": extractor.state_dict(),
-        "weights_sha256": weights_hash(extractor),
-    }
-    return atomic_write(run.path / MODEL_FILE, lambda f: torch.save(blob, f))
-
-
-def load_model(run: RunFolder) -> tuple[nn.Module, ExperimentConfig]:
-    """Rebuild a run's trained extractor (eval mode) and its config."""
-    cfg = run.config()
-    path = run.path / MODEL_FILE
-    if not path.is_file():
-        raise FedvoxError(
-            f"{run.path} has no trained model ({MODEL_FILE}). "
-            f"Fix: let training finish, or continue it with `fedvox resume {run.path}`"
-        )
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    kw = {} if blob["embedding_layer"] is None else {"embedding_layer": blob["embedding_layer"]}
-    extractor = build_extractor(blob["model_name"], blob["feat_dim"], norm=blob["norm"], **kw)
-    extractor.load_state_dict(blob["extractor"])
-    extractor.eval()
-    return extractor, cfg
 
 
 @dataclass
@@ -127,7 +82,14 @@ def _evaluate_and_finish(
     progress: bool,
 ) -> RunOutcome:
     """Save the trained extractor, evaluate it with every back end and the baseline, report."""
-    save_model(run, cfg, extractor, data.feat_dim)
+    save_model(
+        run.model_path,
+        extractor,
+        model_name=cfg.model.name,
+        feat_dim=data.feat_dim,
+        norm=cfg.model_norm(),
+        embedding_layer=cfg.model.embedding_layer,
+    )
     result, backend = evaluate_extractor(
         extractor,
         data.train_feats,
@@ -319,7 +281,7 @@ def evaluate_run(
     from fedvox.experiment.prepare import feature_config
 
     run = RunFolder.open(run_path)
-    extractor, cfg = load_model(run)
+    extractor, cfg = load_run_model(run)
     backend = Backend.load(run.path / "backend")
     corpus = load_corpus(Path(data_dir))
     trials = read_trials(Path(trials_path), corpus)
