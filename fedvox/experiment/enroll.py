@@ -18,10 +18,10 @@ from fedvox.atomic import atomic_write_text
 from fedvox.data.audio import read_audio
 from fedvox.data.features import extract_features
 from fedvox.errors import DataError, FedvoxError
+from fedvox.eval.backend import Backend
 from fedvox.eval.extract import embed_utterances
 from fedvox.eval.scoring import length_normalize
 from fedvox.experiment.config import ExperimentConfig
-from fedvox.experiment.evaluate import Backend
 from fedvox.experiment.prepare import feature_config
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.models.io import weights_hash

@@ -13,16 +13,18 @@ from pathlib import Path
 from torch import nn
 
 from fedvox.atomic import atomic_write_text
-from fedvox.eval.plots import plot_det
-from fedvox.experiment.config import ExperimentConfig
-from fedvox.experiment.evaluate import (
+from fedvox.eval.backend import (
     Backend,
     EvalResult,
     eer_threshold,
     evaluate_baseline,
     evaluate_extractor,
-    quick_eval,
+    score_with_backend,
 )
+from fedvox.eval.extract import embed_dict
+from fedvox.eval.plots import plot_det
+from fedvox.experiment.config import ExperimentConfig
+from fedvox.experiment.evaluate import backend_config, quick_eval
 from fedvox.experiment.fedstats import write_fed_stats
 from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
@@ -96,7 +98,7 @@ def _evaluate_and_finish(
         data.train_corpus.speaker_of,
         data.test_feats,
         data.trials,
-        cfg.eval,
+        backend_config(cfg.eval),
         progress=progress,
     )
     baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
@@ -277,7 +279,6 @@ def evaluate_run(
     from fedvox.data.corpus import load_corpus
     from fedvox.data.store import FeatureStore, extract_corpus
     from fedvox.data.trials import read_trials
-    from fedvox.experiment.evaluate import embed_dict, score_with_backend
     from fedvox.experiment.prepare import feature_config
 
     run = RunFolder.open(run_path)
