@@ -30,12 +30,48 @@ from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.models.io import save_model, weights_hash
-from fedvox.training.centralised import TrainState, init_training, set_determinism, train
+from fedvox.training.centralised import (
+    CentralisedConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainState,
+    init_training,
+    set_determinism,
+    train,
+)
 
 
 def total_steps(cfg: ExperimentConfig) -> int:
     """Optimiser steps of a run: centralised steps or federated server steps."""
     return cfg.federated.server_steps if cfg.federated is not None else cfg.train.steps
+
+
+def centralised_config(cfg: ExperimentConfig) -> CentralisedConfig:
+    """What the centralised trainer reads from a run's config (normalisation resolved)."""
+    m, t = cfg.model, cfg.train
+    return CentralisedConfig(
+        seed=cfg.seed,
+        model=ModelConfig(
+            name=m.name,
+            norm=cfg.model_norm(),
+            embedding_layer=m.embedding_layer,
+            scale=m.scale,
+            margin=m.margin,
+            margin_ramp=tuple(m.margin_ramp),
+        ),
+        train=TrainConfig(
+            steps=t.steps,
+            batch_size=t.batch_size,
+            chunk_frames=tuple(t.chunk_frames),
+            optimizer=t.optimizer,
+            lr=t.lr,
+            final_lr=t.final_lr,
+            warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            threads=t.threads,
+        ),
+    )
 
 
 def eval_points(steps: int) -> list[int]:
@@ -71,7 +107,7 @@ def _train_and_finish(
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             run.save_checkpoint(st.step, st.to_checkpoint())
 
-    train(state, cfg, on_step=on_step, progress=progress)
+    train(state, centralised_config(cfg), on_step=on_step, progress=progress)
     return _evaluate_and_finish(run, cfg, data, state.extractor, t0, progress)
 
 
@@ -216,20 +252,23 @@ def run_experiment(
     """A fresh run of `cfg` into folder `out`."""
     run = RunFolder.create(out, cfg, overwrite=overwrite)
     data = prepare(cfg, progress=progress)
-    utts, labels = data.train_labels()
     run.update_manifest(
         n_train_speakers=len(data.train_speakers()),
-        n_train_utts=len(utts),
+        n_train_utts=len(data.train_feats),
         n_test_utts=len(data.test_feats),
         n_trials=len(data.trials),
         corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
     )
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
-    state = init_training(
-        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
-    )
-    return _train_and_finish(run, cfg, data, state, progress)
+    return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress)
+
+
+def _fresh_training(cfg: ExperimentConfig, data: PreparedData) -> TrainState:
+    """Models, optimiser and chunk sampler over the prepared training features."""
+    utts, labels = data.train_labels()
+    feats = [data.train_feats[u] for u in utts]
+    return init_training(centralised_config(cfg), feats, labels, len(data.train_speakers()))
 
 
 def _federated_and_finish(
@@ -249,10 +288,7 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     data = prepare(cfg, progress=progress)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=True, progress=progress)
-    utts, labels = data.train_labels()
-    state = init_training(
-        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
-    )
+    state = _fresh_training(cfg, data)
     found = run.load_latest_checkpoint()
     if found is not None:
         step, ckpt = found
