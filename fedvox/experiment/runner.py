@@ -1,4 +1,4 @@
-"""Run a centralised experiment end to end: prepare → train → evaluate → report.
+"""Run an experiment end to end: prepare → train (centralised or federated) → evaluate → report.
 
 Used by `fedvox train`, `fedvox demo` and `fedvox resume`; everything lands in a run folder.
 """
