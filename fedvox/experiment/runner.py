@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from torch import nn
@@ -47,30 +47,16 @@ def total_steps(cfg: ExperimentConfig) -> int:
 
 
 def centralised_config(cfg: ExperimentConfig) -> CentralisedConfig:
-    """What the centralised trainer reads from a run's config (normalisation resolved)."""
-    m, t = cfg.model, cfg.train
+    """What the centralised trainer reads from a run's config (normalisation resolved).
+
+    Each field is taken by name from [model] and [train], so the two cannot drift apart.
+    """
+    model = {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)}
+    train = {f.name: getattr(cfg.train, f.name) for f in fields(TrainConfig)}
     return CentralisedConfig(
         seed=cfg.seed,
-        model=ModelConfig(
-            name=m.name,
-            norm=cfg.model_norm(),
-            embedding_layer=m.embedding_layer,
-            scale=m.scale,
-            margin=m.margin,
-            margin_ramp=tuple(m.margin_ramp),
-        ),
-        train=TrainConfig(
-            steps=t.steps,
-            batch_size=t.batch_size,
-            chunk_frames=tuple(t.chunk_frames),
-            optimizer=t.optimizer,
-            lr=t.lr,
-            final_lr=t.final_lr,
-            warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
-            threads=t.threads,
-        ),
+        model=ModelConfig(**{**model, "norm": cfg.model_norm()}),
+        train=TrainConfig(**train),
     )
 
 
