@@ -141,7 +141,7 @@ def prepare(
     With the default config this builds the embedded synthetic corpus (cached under
     data.cache_dir, keyed by its settings) and its trial list.
     """
-    from fedvox.experiment.evaluate import evaluate_baseline
+    from fedvox.eval.backend import evaluate_baseline
     from fedvox.experiment.prepare import prepare as do_prepare
 
     cfg = _config(config, sets)

@@ -7,6 +7,7 @@ import pytest
 
 from fedvox.data.augment import (
     AugmentConfig,
+    AugmentedCorpus,
     Augmenter,
     SpeedPerturbedCorpus,
     add_noise,
@@ -156,6 +157,9 @@ class TinyCorpus:
     def speaker_of(self, utt_id: str) -> str:
         return self.spk[utt_id]
 
+    def speakers(self) -> list[str]:
+        return sorted(set(self.spk.values()))
+
     def load(self, utt_id: str) -> np.ndarray:
         return tone(200 + 100 * len(utt_id) + ord(utt_id[0]), SR)
 
@@ -177,3 +181,21 @@ def test_speed_perturbed_copies_are_new_speakers():
     with pytest.raises(DataError, match="unknown utterance"):
         sp.load("sp1.2-a1")
     assert SpeedPerturbedCorpus(base, ()).utt_ids() == base.utt_ids()
+
+
+def test_augmented_copies_keep_the_speaker_and_do_not_depend_on_the_rest_of_the_corpus():
+    cfg = AugmentConfig(noise_prob=1.0, reverb_prob=0.5)
+    base = TinyCorpus()
+    aug = AugmentedCorpus(base, cfg, copies=2, seed=7)
+    assert aug.utt_ids() == sorted(
+        ["a1", "a2", "b1", *(f"aug{c}-{u}" for c in (0, 1) for u in base.spk)]
+    )
+    assert aug.speaker_of("aug1-b1") == "bob" and aug.speakers() == base.speakers()
+    assert np.array_equal(aug.load("a1"), base.load("a1"))
+    noisy = aug.load("aug0-a1")
+    assert noisy.dtype == np.float32 and not np.allclose(noisy, base.load("a1"))
+    assert not np.array_equal(noisy, aug.load("aug1-a1"))
+    smaller = TinyCorpus()
+    smaller.spk = {"a1": "alice"}
+    assert np.array_equal(AugmentedCorpus(smaller, cfg, copies=1, seed=7).load("aug0-a1"), noisy)
+    assert not np.array_equal(AugmentedCorpus(base, cfg, copies=1, seed=8).load("aug0-a1"), noisy)

@@ -476,3 +476,32 @@ def test_onnx_export_matches_eager(tmp_path):
     (out,) = ReferenceEvaluator(proto).run(None, {"feats": feats.numpy()})
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(out), model(feats), atol=1e-5, rtol=1e-4)
+
+
+def test_saved_model_loads_back_to_the_same_weights_and_outputs(tmp_path) -> None:
+    from fedvox.models.io import load_model, save_model, weights_hash
+
+    torch.manual_seed(0)
+    model = build_extractor("xvector-small", 20, norm="layer", embedding_layer="a")
+    model.eval()
+    path = save_model(
+        tmp_path / "m.pt",
+        model,
+        model_name="xvector-small",
+        feat_dim=20,
+        norm="layer",
+        embedding_layer="a",
+    )
+    loaded = load_model(path)
+    assert not loaded.training
+    assert weights_hash(loaded) == weights_hash(model)
+    x = torch.randn(2, 40, 20)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_load_model_of_a_missing_file_names_it_and_the_fix(tmp_path) -> None:
+    from fedvox.models.io import load_model
+
+    with pytest.raises(DataError, match=r"missing\.pt: no trained model here\. Fix: pass"):
+        load_model(tmp_path / "missing.pt")

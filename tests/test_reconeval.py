@@ -24,9 +24,9 @@ from fedvox.experiment.reconeval import (
     split_unseen,
     support_loss,
 )
-from fedvox.experiment.runner import weights_hash
 from fedvox.fl import ClientConfig, Population, ReconConfig
 from fedvox.fl.local.reconstruct import reconstruct_one
+from fedvox.models.io import weights_hash
 from fedvox.tasks.speakers import NEGATIVES, PROTOTYPES, SpeakerReconTask
 from fedvox.training.chunks import fixed_chunks
 

@@ -5,6 +5,7 @@ Sits between corpus loading and feature extraction (Kaldi/WeSpeaker-style data a
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
@@ -173,13 +174,15 @@ class Augmenter:
 
 
 class SpeakerCorpus(Protocol):
-    """What SpeedPerturbedCorpus needs from the corpus it wraps."""
+    """What the corpus wrappers below need from the corpus they wrap."""
 
     sample_rate: int
 
     def utt_ids(self) -> Sequence[str]: ...
 
     def speaker_of(self, utt_id: str) -> str: ...
+
+    def speakers(self) -> list[str]: ...
 
     def load(self, utt_id: str) -> np.ndarray: ...
 
@@ -242,3 +245,38 @@ class SpeedPerturbedCorpus:
         if utt_id not in self._source:
             raise DataError(None, f"unknown utterance id {utt_id!r}", "use an id from utt_ids()")
         return utt_id
+
+
+class AugmentedCorpus:
+    """A corpus plus `copies` noisy/reverberant copies of each utterance (Kaldi-style).
+
+    Copy c of utterance u is `aug{c}-{u}` with u's speaker; its randomness comes from
+    (seed, u, c) only, so it is the same audio whatever else is in the corpus.
+    """
+
+    def __init__(self, base: SpeakerCorpus, cfg: AugmentConfig, copies: int, seed: int) -> None:
+        self.base = base
+        self.copies = copies
+        self.seed = seed
+        self.sample_rate = base.sample_rate
+        self.augmenter = Augmenter(cfg, sample_rate=base.sample_rate)
+        self._origin: dict[str, tuple[str, int]] = {}
+        for u in base.utt_ids():
+            for c in range(self.copies):
+                self._origin[f"aug{c}-{u}"] = (u, c)
+
+    def utt_ids(self) -> list[str]:
+        return sorted([*self.base.utt_ids(), *self._origin])
+
+    def speaker_of(self, utt_id: str) -> str:
+        return self.base.speaker_of(self._origin.get(utt_id, (utt_id, 0))[0])
+
+    def speakers(self) -> list[str]:
+        return self.base.speakers()
+
+    def load(self, utt_id: str) -> np.ndarray:
+        if utt_id not in self._origin:
+            return self.base.load(utt_id)
+        u, c = self._origin[utt_id]
+        rng = np.random.default_rng([self.seed, 0xA116, zlib.crc32(u.encode()), c])
+        return self.augmenter(self.base.load(u), rng).astype(np.float32)

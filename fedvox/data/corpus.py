@@ -406,66 +406,58 @@ def _parse_time(path: Path, number: int, text: str, what: str) -> float:
     return value
 
 
-def load_kaldi_dir(path: Path, sample_rate: int = 16000) -> Corpus:
-    """Load a Kaldi data dir (wav.scp, utt2spk, optional spk2utt and segments).
+# utt id -> (audio path, start, end, "file:line" that declared it)
+_AudioMap = dict[str, tuple[Path, float | None, float | None, str]]
 
-    Relative audio paths are resolved against the data dir. Audio is not opened here;
-    `Corpus.validate()` does that.
-    """
-    data_dir = Path(path)
-    if not data_dir.is_dir():
-        raise DataError(data_dir, "is not a directory", f"point fedvox at {_LAYOUTS}")
-    wav_scp, utt2spk_path = data_dir / "wav.scp", data_dir / "utt2spk"
-    _require(wav_scp, "utterance/recording -> audio path")
-    _require(utt2spk_path, "utterance -> speaker")
-    recordings = _read_wav_scp(data_dir, wav_scp)
-    utt2spk = _read_utt2spk(utt2spk_path)
-    if (data_dir / "spk2utt").is_file():
-        _check_spk2utt(data_dir / "spk2utt", utt2spk, utt2spk_path)
 
-    # utt id -> (audio path, start, end, where)
-    audio: dict[str, tuple[Path, float | None, float | None, str]] = {}
-    segments = data_dir / "segments"
-    if segments.is_file():
-        fix = "write 'segment-id recording-id start end' with times in seconds"
-        for number, fields, _ in _read_lines(segments):
-            _check_fields(segments, number, fields, "segment-id recording-id start end", 4)
-            seg, rec, t0, t1 = fields
-            start = _parse_time(segments, number, t0, "start")
-            end = _parse_time(segments, number, t1, "end")
-            if seg in audio:
-                raise DataError(
-                    segments,
-                    f"duplicate key '{seg}' (first at {audio[seg][3]})",
-                    "give every segment a unique id",
-                    line=number,
-                )
-            if rec not in recordings:
-                raise DataError(
-                    segments,
-                    f"recording '{rec}' of segment '{seg}' is not in {wav_scp.name}",
-                    f"add the recording to {wav_scp.name} or drop the segment",
-                    line=number,
-                )
-            if start < 0:
-                raise DataError(segments, f"segment '{seg}' starts before 0 s", fix, line=number)
-            if end == -1:  # Kaldi: -1 means "to the end of the recording"
-                end_or_none: float | None = None
-            elif end <= start:
-                raise DataError(
-                    segments,
-                    f"segment '{seg}' ends ({end}) at or before its start ({start})",
-                    fix,
-                    line=number,
-                )
-            else:
-                end_or_none = end
-            audio[seg] = (recordings[rec][0], start, end_or_none, f"{segments}:{number}")
-        source = segments
-    else:
-        audio = {k: (p, None, None, where) for k, (p, where) in recordings.items()}
-        source = wav_scp
+def _read_segments(
+    segments: Path, recordings: dict[str, tuple[Path, str]], wav_scp: Path
+) -> _AudioMap:
+    """Kaldi `segments`: each segment a [start, end) range of a wav.scp recording (end -1 =
+    to the recording's end)."""
+    audio: _AudioMap = {}
+    fix = "write 'segment-id recording-id start end' with times in seconds"
+    for number, fields, _ in _read_lines(segments):
+        _check_fields(segments, number, fields, "segment-id recording-id start end", 4)
+        seg, rec, t0, t1 = fields
+        start = _parse_time(segments, number, t0, "start")
+        end = _parse_time(segments, number, t1, "end")
+        if seg in audio:
+            raise DataError(
+                segments,
+                f"duplicate key '{seg}' (first at {audio[seg][3]})",
+                "give every segment a unique id",
+                line=number,
+            )
+        if rec not in recordings:
+            raise DataError(
+                segments,
+                f"recording '{rec}' of segment '{seg}' is not in {wav_scp.name}",
+                f"add the recording to {wav_scp.name} or drop the segment",
+                line=number,
+            )
+        if start < 0:
+            raise DataError(segments, f"segment '{seg}' starts before 0 s", fix, line=number)
+        if end == -1:  # Kaldi: -1 means "to the end of the recording"
+            end_or_none: float | None = None
+        elif end <= start:
+            raise DataError(
+                segments,
+                f"segment '{seg}' ends ({end}) at or before its start ({start})",
+                fix,
+                line=number,
+            )
+        else:
+            end_or_none = end
+        audio[seg] = (recordings[rec][0], start, end_or_none, f"{segments}:{number}")
+    return audio
 
+
+def _join_speakers(
+    audio: _AudioMap, source: Path, utt2spk: dict[str, tuple[str, int]], utt2spk_path: Path
+) -> list[Utterance]:
+    """Utterances with both audio (from `source`) and a speaker; one without either is an
+    error naming the file and line that declared it."""
     for utt, (_, number) in utt2spk.items():
         if utt not in audio:
             raise DataError(
@@ -486,6 +478,32 @@ def load_kaldi_dir(path: Path, sample_rate: int = 16000) -> Corpus:
                 line=line,
             )
         utterances.append(Utterance(utt, utt2spk[utt][0], audio_path, start, end, where))
+    return utterances
+
+
+def load_kaldi_dir(path: Path, sample_rate: int = 16000) -> Corpus:
+    """Load a Kaldi data dir (wav.scp, utt2spk, optional spk2utt and segments).
+
+    Relative audio paths are resolved against the data dir. Audio is not opened here;
+    `Corpus.validate()` does that.
+    """
+    data_dir = Path(path)
+    if not data_dir.is_dir():
+        raise DataError(data_dir, "is not a directory", f"point fedvox at {_LAYOUTS}")
+    wav_scp, utt2spk_path = data_dir / "wav.scp", data_dir / "utt2spk"
+    _require(wav_scp, "utterance/recording -> audio path")
+    _require(utt2spk_path, "utterance -> speaker")
+    recordings = _read_wav_scp(data_dir, wav_scp)
+    utt2spk = _read_utt2spk(utt2spk_path)
+    if (data_dir / "spk2utt").is_file():
+        _check_spk2utt(data_dir / "spk2utt", utt2spk, utt2spk_path)
+    segments = data_dir / "segments"
+    if segments.is_file():
+        audio, source = _read_segments(segments, recordings, wav_scp), segments
+    else:
+        audio = {k: (p, None, None, where) for k, (p, where) in recordings.items()}
+        source = wav_scp
+    utterances = _join_speakers(audio, source, utt2spk, utt2spk_path)
     if not utterances:
         raise DataError(wav_scp, "lists no audio", "add 'utt-id path' lines")
     return Corpus(str(data_dir), Path(os.path.abspath(data_dir)), utterances, sample_rate)

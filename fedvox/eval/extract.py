@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedvox.progress import task_progress
+
 
 @torch.no_grad()
 def embed_utterances(
@@ -39,6 +41,15 @@ def embed_utterances(
     finally:
         extractor.train(was_training)
     return np.stack(out).astype(np.float32)
+
+
+def embed_dict(
+    extractor: nn.Module, feats: dict[str, np.ndarray], utts: list[str], label: str, progress: bool
+) -> dict[str, np.ndarray]:
+    """Embeddings of `utts` by id, with a progress bar named `label`."""
+    with task_progress(label, len(utts), enabled=progress) as tick:
+        emb = embed_utterances(extractor, [feats[u] for u in utts], progress=tick)
+    return dict(zip(utts, emb, strict=True))
 
 
 def stats_embedding(feats: np.ndarray) -> np.ndarray:

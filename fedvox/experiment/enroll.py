@@ -18,13 +18,12 @@ from fedvox.atomic import atomic_write_text
 from fedvox.data.audio import read_audio
 from fedvox.data.features import extract_features
 from fedvox.errors import DataError, FedvoxError
+from fedvox.eval.backend import Backend
 from fedvox.eval.extract import embed_utterances
 from fedvox.eval.scoring import length_normalize
 from fedvox.experiment.config import ExperimentConfig
-from fedvox.experiment.evaluate import Backend
-from fedvox.experiment.prepare import feature_config
-from fedvox.experiment.runfolder import RunFolder
-from fedvox.experiment.runner import load_model, weights_hash
+from fedvox.experiment.runfolder import RunFolder, load_run_model
+from fedvox.models.io import weights_hash
 from fedvox.tasks.speakers import enrollment_prototypes
 
 PROFILE_VERSION = 1
@@ -32,7 +31,7 @@ PROFILE_VERSION = 1
 
 def embed_wavs(extractor: nn.Module, cfg: ExperimentConfig, wavs: list[Path]) -> np.ndarray:
     """Embeddings [n, dim] of wav files through a run's front end and extractor."""
-    fcfg = feature_config(cfg.features)
+    fcfg = cfg.features.feature_config()
     feats = [extract_features(read_audio(Path(w), fcfg.fbank.sample_rate), fcfg) for w in wavs]
     for w, f in zip(wavs, feats, strict=True):
         if f.shape[0] < 10:
@@ -91,7 +90,7 @@ def enroll(run_path: Path, wavs: list[Path], speaker: str) -> Profile:
     if not wavs:
         raise FedvoxError("enroll needs at least one wav file. Fix: pass enrollment recordings")
     run = RunFolder.open(run_path)
-    extractor, cfg = load_model(run)
+    extractor, cfg = load_run_model(run)
     backend = Backend.load(run.path / "backend")
     # Enrollment is Federated Reconstruction's closed form (speakers as local parameters):
     # the normalised mean of the normalised embeddings, after the scoring mean is removed.
@@ -112,7 +111,7 @@ def verify(
 ) -> Decision:
     """Score a wav against a profile; accept iff score >= the run's calibrated threshold."""
     run = RunFolder.open(run_path or profile.run)
-    extractor, cfg = load_model(run)
+    extractor, cfg = load_run_model(run)
     if weights_hash(extractor) != profile.weights_sha256:
         raise FedvoxError(
             f"profile '{profile.speaker}' was enrolled with another model than {run.path}. "

@@ -12,18 +12,15 @@ from pathlib import Path
 import torch
 
 from fedvox.atomic import atomic_write
-from fedvox.experiment.runfolder import RunFolder
-from fedvox.experiment.runner import MODEL_FILE, load_model
+from fedvox.experiment.runfolder import RunFolder, load_run_model
 
 
 def export_torchscript(run_path: Path, out: Path) -> tuple[Path, float]:
     """Script (or, failing that, trace) the extractor, save atomically, verify; returns
     (path, max abs difference from eager on a fresh-length input)."""
     run = RunFolder.open(run_path)
-    extractor, _ = load_model(run)
-    feat_dim = int(
-        torch.load(run.path / MODEL_FILE, map_location="cpu", weights_only=False)["feat_dim"]
-    )
+    extractor, _ = load_run_model(run)
+    feat_dim = int(extractor.feat_dim)
     try:
         module = torch.jit.script(extractor)
     except Exception:
@@ -49,10 +46,8 @@ def export_onnx(run_path: Path, out: Path) -> tuple[Path, float]:
     from onnx.reference import ReferenceEvaluator
 
     run = RunFolder.open(run_path)
-    extractor, _ = load_model(run)
-    feat_dim = int(
-        torch.load(run.path / MODEL_FILE, map_location="cpu", weights_only=False)["feat_dim"]
-    )
+    extractor, _ = load_run_model(run)
+    feat_dim = int(extractor.feat_dim)
     buf = io.BytesIO()
     torch.onnx.export(
         extractor,

@@ -6,39 +6,24 @@ works on the in-memory feature matrices this returns.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from fedvox.data.augment import AugmentConfig, Augmenter, SpeedPerturbedCorpus
+from fedvox.data.augment import AugmentConfig, AugmentedCorpus, SpeedPerturbedCorpus
 from fedvox.data.corpus import Corpus, load_corpus, load_kaldi_dir
-from fedvox.data.features import CmnConfig, FbankConfig, FeatureConfig, VadConfig
+from fedvox.data.features import FeatureConfig
 from fedvox.data.store import FeatureStore, extract_corpus
-from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
+from fedvox.data.synthetic import ensure_corpus
 from fedvox.data.trials import TrialList, read_trials
-from fedvox.experiment.config import AugmentSection, DataSection, ExperimentConfig, FeaturesSection
-
-
-def feature_config(section: FeaturesSection) -> FeatureConfig:
-    """The data layer's FeatureConfig for a config's [features] table (dither off)."""
-    return FeatureConfig(
-        fbank=FbankConfig(num_mel_bins=section.num_mel_bins, dither=0.0),
-        vad=VadConfig(enabled=section.vad),
-        cmn=CmnConfig(mode=section.cmn, window=section.cmn_window),
-    )
-
-
-def synthetic_config(data: DataSection) -> SyntheticConfig:
-    """The generator settings of a config's [data.synthetic] table."""
-    return SyntheticConfig(**data.synthetic.model_dump())
+from fedvox.experiment.config import DataSection, ExperimentConfig
 
 
 def synthetic_corpus_dir(data: DataSection, progress: bool = True) -> Path:
     """Generate (or reuse from the cache) the embedded corpus; returns its folder."""
     return ensure_corpus(
-        synthetic_config(data),
+        data.synthetic.generator_config(),
         cache_root=Path(data.cache_dir) / "corpora",
         workers=data.workers,
         progress=progress,
@@ -58,48 +43,6 @@ def resolve_corpora(data: DataSection, progress: bool = True) -> tuple[Corpus, C
     return train, load_corpus(Path(data.test)), Path(data.trials)
 
 
-class AugmentedCorpus:
-    """Training corpus plus `copies` noisy/reverberant copies of each utterance (Kaldi-style).
-
-    Copy c of utterance u is `aug{c}-{u}` with u's speaker; its randomness comes from
-    (seed, u, c) only, so it is the same audio whatever else is in the corpus.
-    """
-
-    def __init__(self, base, section: AugmentSection, seed: int):
-        self.base = base
-        self.copies = section.copies
-        self.seed = seed
-        self.sample_rate = base.sample_rate
-        self.augmenter = Augmenter(
-            AugmentConfig(
-                noise_prob=section.noise_prob,
-                snr_db=tuple(section.snr_db),
-                reverb_prob=section.reverb_prob,
-            ),
-            sample_rate=base.sample_rate,
-        )
-        self._origin: dict[str, tuple[str, int]] = {}
-        for u in base.utt_ids():
-            for c in range(self.copies):
-                self._origin[f"aug{c}-{u}"] = (u, c)
-
-    def utt_ids(self) -> list[str]:
-        return sorted([*self.base.utt_ids(), *self._origin])
-
-    def speaker_of(self, utt_id: str) -> str:
-        return self.base.speaker_of(self._origin.get(utt_id, (utt_id, 0))[0])
-
-    def speakers(self) -> list[str]:
-        return self.base.speakers()
-
-    def load(self, utt_id: str) -> np.ndarray:
-        if utt_id not in self._origin:
-            return self.base.load(utt_id)
-        u, c = self._origin[utt_id]
-        rng = np.random.default_rng([self.seed, 0xA116, zlib.crc32(u.encode()), c])
-        return self.augmenter(self.base.load(u), rng).astype(np.float32)
-
-
 def training_corpus(train: Corpus, cfg: ExperimentConfig):
     """The corpus training sees: speed-perturbed speakers and augmented copies if configured."""
     aug = cfg.train.augment
@@ -107,7 +50,10 @@ def training_corpus(train: Corpus, cfg: ExperimentConfig):
     if aug.speed_factors:
         corpus = SpeedPerturbedCorpus(corpus, tuple(aug.speed_factors))
     if aug.copies > 0:
-        corpus = AugmentedCorpus(corpus, aug, cfg.seed)
+        noisy = AugmentConfig(
+            noise_prob=aug.noise_prob, snr_db=tuple(aug.snr_db), reverb_prob=aug.reverb_prob
+        )
+        corpus = AugmentedCorpus(corpus, noisy, aug.copies, cfg.seed)
     return corpus
 
 
@@ -143,7 +89,7 @@ def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
     train.validate()
     test.validate()
     trials = read_trials(trials_path, test)
-    fcfg = feature_config(cfg.features)
+    fcfg = cfg.features.feature_config()
     store = FeatureStore(Path(cfg.data.cache_dir) / "features")
     train_c = training_corpus(train, cfg)
     train_feats = extract_corpus(train_c, fcfg, store, workers=cfg.data.workers, progress=progress)

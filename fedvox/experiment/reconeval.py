@@ -21,9 +21,8 @@ from fedvox.atomic import atomic_write_text
 from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
-from fedvox.experiment.prepare import feature_config, prepare, synthetic_config
-from fedvox.experiment.runfolder import RunFolder
-from fedvox.experiment.runner import load_model
+from fedvox.experiment.prepare import prepare
+from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.fl import ClientConfig, Population, ReconConfig
 from fedvox.fl.local import broadcast_view, reconstruct_stacked
 from fedvox.tasks.speakers import (
@@ -212,7 +211,7 @@ class ReconEvalInputs:
 def load_inputs(run_path: Path, progress: bool = False) -> ReconEvalInputs:
     """A finished run's extractor and its test speakers' embeddings, split per speaker."""
     run = RunFolder.open(run_path)
-    extractor, cfg = load_model(run)
+    extractor, cfg = load_run_model(run)
     set_determinism(cfg.train.threads)
     data = prepare(cfg, progress=progress)
     chunk_frames = (cfg.federated or FederatedSection()).chunk_frames
@@ -242,8 +241,8 @@ def public_store(cfg: ExperimentConfig, workers: int | None = None) -> PublicSto
     r = f.reconstruction
     cache = Path(cfg.data.cache_dir)
     return public_speaker_store(
-        synthetic_config(cfg.data),
-        feature_config(cfg.features),
+        cfg.data.synthetic.generator_config(),
+        cfg.features.feature_config(),
         n_speakers=r.public_speakers,
         chunks_per_speaker=r.public_chunks,
         chunk_frames=f.chunk_frames,

@@ -19,10 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from fedvox.atomic import atomic_write, atomic_write_text, sha256_file
 from fedvox.errors import FedvoxError
 from fedvox.experiment.config import ExperimentConfig, dump_toml, load_config
+from fedvox.models.io import MODEL_FILE, load_model
 
 _PACKAGES = ("fedvox", "torch", "numpy", "scipy", "soundfile", "pydantic", "matplotlib")
 
@@ -136,6 +138,10 @@ class RunFolder:
     def report_path(self) -> Path:
         return self.path / "report.md"
 
+    @property
+    def model_path(self) -> Path:
+        return self.path / MODEL_FILE
+
     # --- creation ---------------------------------------------------------------------
     @classmethod
     def create(cls, path: str | Path, cfg: ExperimentConfig, overwrite: bool = False) -> RunFolder:
@@ -237,3 +243,15 @@ class RunFolder:
                 stacklevel=2,
             )
         return None
+
+
+def load_run_model(run: RunFolder) -> tuple[nn.Module, ExperimentConfig]:
+    """A run's trained extractor (eval mode) and its config; a run without a model file
+    says how to finish training."""
+    cfg = run.config()
+    if not run.model_path.is_file():
+        raise FedvoxError(
+            f"{run.path} has no trained model ({MODEL_FILE}). "
+            f"Fix: let training finish, or continue it with `fedvox resume {run.path}`"
+        )
+    return load_model(run.model_path), cfg

@@ -1,4 +1,4 @@
-"""Run a centralised experiment end to end: prepare → train → evaluate → report.
+"""Run an experiment end to end: prepare → train (centralised or federated) → evaluate → report.
 
 Used by `fedvox train`, `fedvox demo` and `fedvox resume`; everything lands in a run folder.
 """
@@ -7,32 +7,38 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from fedvox.atomic import atomic_write, atomic_write_text
-from fedvox.errors import FedvoxError
-from fedvox.eval.plots import plot_det
-from fedvox.experiment.config import ExperimentConfig
-from fedvox.experiment.evaluate import (
+from fedvox.atomic import atomic_write_text
+from fedvox.eval.backend import (
     Backend,
     EvalResult,
     eer_threshold,
     evaluate_baseline,
     evaluate_extractor,
-    quick_eval,
+    score_with_backend,
 )
+from fedvox.eval.extract import embed_dict
+from fedvox.eval.plots import plot_det
+from fedvox.experiment.config import ExperimentConfig
+from fedvox.experiment.evaluate import backend_config, quick_eval
 from fedvox.experiment.fedstats import write_fed_stats
 from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
-from fedvox.experiment.runfolder import RunFolder
-from fedvox.models import build_extractor
-from fedvox.training.centralised import TrainState, init_training, set_determinism, train
-
-MODEL_FILE = "model.pt"
+from fedvox.experiment.runfolder import RunFolder, load_run_model
+from fedvox.models.io import save_model, weights_hash
+from fedvox.training.centralised import (
+    CentralisedConfig,
+    ModelConfig,
+    TrainConfig,
+    TrainState,
+    init_training,
+    set_determinism,
+    train,
+)
 
 
 def total_steps(cfg: ExperimentConfig) -> int:
@@ -40,51 +46,24 @@ def total_steps(cfg: ExperimentConfig) -> int:
     return cfg.federated.server_steps if cfg.federated is not None else cfg.train.steps
 
 
+def centralised_config(cfg: ExperimentConfig) -> CentralisedConfig:
+    """What the centralised trainer reads from a run's config (normalisation resolved).
+
+    Each field is taken by name from [model] and [train], so the two cannot drift apart.
+    """
+    model = {f.name: getattr(cfg.model, f.name) for f in fields(ModelConfig)}
+    train = {f.name: getattr(cfg.train, f.name) for f in fields(TrainConfig)}
+    return CentralisedConfig(
+        seed=cfg.seed,
+        model=ModelConfig(**{**model, "norm": cfg.model_norm()}),
+        train=TrainConfig(**train),
+    )
+
+
 def eval_points(steps: int) -> list[int]:
     """Steps with a quick cosine evaluation: a barely trained point (1%), then quarters."""
     pts = {max(1, steps // 100), steps // 4, steps // 2, 3 * steps // 4}
     return sorted(p for p in pts if 0 < p < steps)
-
-
-def weights_hash(module: nn.Module) -> str:
-    """sha256 of every tensor in the state dict, in order: equal hashes ⇔ equal weights."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for k, v in module.state_dict().items():
-        h.update(k.encode())
-        h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-def save_model(run: RunFolder, cfg: ExperimentConfig, extractor: nn.Module, feat_dim: int) -> Path:
-    """The trained extractor with what is needed to rebuild it (atomic)."""
-    blob = {
-        "model_name": cfg.model.name,
-        "norm": cfg.model_norm(),
-        "embedding_layer": cfg.model.embedding_layer,
-        "feat_dim": feat_dim,
-        "extractor": extractor.state_dict(),
-        "weights_sha256": weights_hash(extractor),
-    }
-    return atomic_write(run.path / MODEL_FILE, lambda f: torch.save(blob, f))
-
-
-def load_model(run: RunFolder) -> tuple[nn.Module, ExperimentConfig]:
-    """Rebuild a run's trained extractor (eval mode) and its config."""
-    cfg = run.config()
-    path = run.path / MODEL_FILE
-    if not path.is_file():
-        raise FedvoxError(
-            f"{run.path} has no trained model ({MODEL_FILE}). "
-            f"Fix: let training finish, or continue it with `fedvox resume {run.path}`"
-        )
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    kw = {} if blob["embedding_layer"] is None else {"embedding_layer": blob["embedding_layer"]}
-    extractor = build_extractor(blob["model_name"], blob["feat_dim"], norm=blob["norm"], **kw)
-    extractor.load_state_dict(blob["extractor"])
-    extractor.eval()
-    return extractor, cfg
 
 
 @dataclass
@@ -114,7 +93,7 @@ def _train_and_finish(
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             run.save_checkpoint(st.step, st.to_checkpoint())
 
-    train(state, cfg, on_step=on_step, progress=progress)
+    train(state, centralised_config(cfg), on_step=on_step, progress=progress)
     return _evaluate_and_finish(run, cfg, data, state.extractor, t0, progress)
 
 
@@ -127,14 +106,21 @@ def _evaluate_and_finish(
     progress: bool,
 ) -> RunOutcome:
     """Save the trained extractor, evaluate it with every back end and the baseline, report."""
-    save_model(run, cfg, extractor, data.feat_dim)
+    save_model(
+        run.model_path,
+        extractor,
+        model_name=cfg.model.name,
+        feat_dim=data.feat_dim,
+        norm=cfg.model_norm(),
+        embedding_layer=cfg.model.embedding_layer,
+    )
     result, backend = evaluate_extractor(
         extractor,
         data.train_feats,
         data.train_corpus.speaker_of,
         data.test_feats,
         data.trials,
-        cfg.eval,
+        backend_config(cfg.eval),
         progress=progress,
     )
     baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
@@ -252,20 +238,23 @@ def run_experiment(
     """A fresh run of `cfg` into folder `out`."""
     run = RunFolder.create(out, cfg, overwrite=overwrite)
     data = prepare(cfg, progress=progress)
-    utts, labels = data.train_labels()
     run.update_manifest(
         n_train_speakers=len(data.train_speakers()),
-        n_train_utts=len(utts),
+        n_train_utts=len(data.train_feats),
         n_test_utts=len(data.test_feats),
         n_trials=len(data.trials),
         corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
     )
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
-    state = init_training(
-        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
-    )
-    return _train_and_finish(run, cfg, data, state, progress)
+    return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress)
+
+
+def _fresh_training(cfg: ExperimentConfig, data: PreparedData) -> TrainState:
+    """Models, optimiser and chunk sampler over the prepared training features."""
+    utts, labels = data.train_labels()
+    feats = [data.train_feats[u] for u in utts]
+    return init_training(centralised_config(cfg), feats, labels, len(data.train_speakers()))
 
 
 def _federated_and_finish(
@@ -285,10 +274,7 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     data = prepare(cfg, progress=progress)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=True, progress=progress)
-    utts, labels = data.train_labels()
-    state = init_training(
-        cfg, [data.train_feats[u] for u in utts], labels, len(data.train_speakers())
-    )
+    state = _fresh_training(cfg, data)
     found = run.load_latest_checkpoint()
     if found is not None:
         step, ckpt = found
@@ -315,11 +301,9 @@ def evaluate_run(
     from fedvox.data.corpus import load_corpus
     from fedvox.data.store import FeatureStore, extract_corpus
     from fedvox.data.trials import read_trials
-    from fedvox.experiment.evaluate import embed_dict, score_with_backend
-    from fedvox.experiment.prepare import feature_config
 
     run = RunFolder.open(run_path)
-    extractor, cfg = load_model(run)
+    extractor, cfg = load_run_model(run)
     backend = Backend.load(run.path / "backend")
     corpus = load_corpus(Path(data_dir))
     trials = read_trials(Path(trials_path), corpus)
@@ -327,7 +311,7 @@ def evaluate_run(
     sub.validate()
     store = FeatureStore(Path(cfg.data.cache_dir) / "features")
     feats = extract_corpus(
-        sub, feature_config(cfg.features), store, workers=cfg.data.workers, progress=progress
+        sub, cfg.features.feature_config(), store, workers=cfg.data.workers, progress=progress
     )
     emb = embed_dict(extractor, feats, trials.utt_ids(), "embed", progress)
     backends = backends or cfg.eval.backends

@@ -1,6 +1,7 @@
 """Speaker-embedding extractors (x-vector, ECAPA-TDNN), speaker heads and the training step.
 
-Sits between features and scoring; `build_extractor` turns a config's model name into a module.
+Sits between features and scoring; `build_extractor` turns a config's model name into a module
+and `fedvox.models.io` saves and reloads a trained one.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         "embedding_layer": "a",
         "norm": "batch",
     },
-    # CPU size, benchmarks.md W1's shape: widths 256x4 + 768, segment layers 256. The
+    # CPU size: the Kaldi shape at half width (256x4 + 768, segment layers 256). The
     # embedding is segment b (WeSpeaker's choice): the AAM head then trains on the embedding
-    # itself, so cosine scoring works without PLDA (demo: 6.6% vs 10.4% EER with "a") and
-    # speaker prototypes live in embedding space, as Federated Reconstruction needs.
+    # itself, so cosine scoring works without PLDA and speaker prototypes live in embedding
+    # space, as Federated Reconstruction needs (measured: docs/verification.md, Models).
     "xvector-small": {
         "arch": "xvector",
         "widths": (256, 256, 256, 256, 768),

@@ -8,20 +8,56 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedvox.experiment.config import ExperimentConfig, TrainSection
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import train_step
 from fedvox.progress import training_progress
 from fedvox.rng import Purpose, derived_rng, derived_seed
 from fedvox.training.chunks import ChunkSampler
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The extractor preset and its AAM head (a run's [model] table, normalisation resolved)."""
+
+    name: str
+    norm: str | None
+    embedding_layer: str | None
+    scale: float
+    margin: float
+    margin_ramp: tuple[float, float]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, learning-rate schedule and random-chunk batches (a run's [train] table)."""
+
+    steps: int
+    batch_size: int
+    chunk_frames: tuple[int, int]
+    optimizer: str
+    lr: float
+    final_lr: float
+    warmup_steps: int
+    weight_decay: float
+    max_grad_norm: float | None
+    threads: int
+
+
+@dataclass(frozen=True)
+class CentralisedConfig:
+    """Everything centralised training reads: the seed, the model and the schedule."""
+
+    seed: int
+    model: ModelConfig
+    train: TrainConfig
 
 
 def set_determinism(threads: int) -> None:
@@ -31,20 +67,20 @@ def set_determinism(threads: int) -> None:
 
 
 def build_models(
-    cfg: ExperimentConfig, feat_dim: int, n_speakers: int
+    cfg: CentralisedConfig, feat_dim: int, n_speakers: int
 ) -> tuple[nn.Module, AAMSoftmax]:
     """Extractor and AAM head, initialised from (seed, "init") only."""
     torch.manual_seed(derived_seed(cfg.seed, Purpose.INIT, bits=32))
     overrides = {}
     if cfg.model.embedding_layer is not None:
         overrides["embedding_layer"] = cfg.model.embedding_layer
-    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **overrides)
+    extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model.norm, **overrides)
     emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
     head = AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
     return extractor, head
 
 
-def lr_at(step: int, t: TrainSection) -> float:
+def lr_at(step: int, t: TrainConfig) -> float:
     """Linear warm-up, then exponential decay from lr to final_lr at the last step."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
@@ -53,7 +89,8 @@ def lr_at(step: int, t: TrainSection) -> float:
     return t.lr * math.exp(frac * math.log(t.final_lr / t.lr))
 
 
-def make_optimizer(params, t: TrainSection) -> torch.optim.Optimizer:
+def make_optimizer(params: Iterable[nn.Parameter], t: TrainConfig) -> torch.optim.Optimizer:
+    """Adam, or SGD with Nesterov momentum 0.9, at the schedule's starting rate."""
     if t.optimizer == "adam":
         return torch.optim.Adam(params, lr=t.lr, weight_decay=t.weight_decay)
     return torch.optim.SGD(
@@ -92,7 +129,7 @@ class TrainState:
 
 
 def init_training(
-    cfg: ExperimentConfig, feats: list[np.ndarray], labels: np.ndarray, n_speakers: int
+    cfg: CentralisedConfig, feats: list[np.ndarray], labels: np.ndarray, n_speakers: int
 ) -> TrainState:
     """Fresh models, optimiser and chunk sampler for a config."""
     set_determinism(cfg.train.threads)
@@ -105,7 +142,7 @@ def init_training(
 
 def train(
     state: TrainState,
-    cfg: ExperimentConfig,
+    cfg: CentralisedConfig,
     on_step: Callable[[TrainState, dict], None] | None = None,
     progress: bool = True,
 ) -> TrainState:

@@ -128,7 +128,7 @@ def public_speaker_store(
     progress: bool = False,
 ) -> PublicStore:
     """Generate (or reuse from the cache) the public synthetic corpus and extract its
-    features with the run's FeatureConfig (experiment.prepare.feature_config) → PublicStore."""
+    features with the run's FeatureConfig ([features] FeaturesSection.feature_config()) → PublicStore."""
     cfg = public_synthetic_config(synthetic, n_speakers, chunks_per_speaker, seed_offset)
     root = ensure_corpus(cfg, cache_root=cache_root, workers=workers, progress=progress)
     corpus = load_kaldi_dir(root / "train")

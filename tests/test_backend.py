@@ -1,0 +1,44 @@
+"""Tests for fedvox.eval.backend: fitting only the back ends asked for, saving and reloading."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedvox.eval.backend import Backend, BackendConfig, fit_backend, train_subset
+
+
+def _embeddings(n_spk: int = 6, per: int = 5, dim: int = 8) -> tuple[np.ndarray, list[str]]:
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(n_spk, dim)) * 3
+    x = np.concatenate([c + rng.normal(size=(per, dim)) for c in centres])
+    return x, [f"s{i}" for i in range(n_spk) for _ in range(per)]
+
+
+def test_train_subset_takes_every_speaker_before_a_second_utterance() -> None:
+    utts = ["a2", "a1", "b1", "b2", "c1"]
+    spks = ["a", "a", "b", "b", "c"]
+    assert train_subset(utts, spks, 3) == [1, 2, 4]  # a1, b1, c1
+    assert train_subset(utts, spks, 99) == [0, 1, 2, 3, 4]
+
+
+def test_fit_backend_fits_only_the_back_ends_it_will_score() -> None:
+    x, spk = _embeddings()
+    cosine = fit_backend(x, spk, BackendConfig(("cosine",), 10, 4, 100))
+    np.testing.assert_allclose(cosine.mean, x.mean(axis=0))
+    assert cosine.cohort is None and cosine.plda is None
+    full = fit_backend(x, spk, BackendConfig(("cosine", "asnorm", "plda"), 10, 4, 100))
+    assert full.cohort is not None and full.cohort.shape == (6, 8)
+    assert full.plda is not None
+
+
+def test_backend_save_load_round_trip(tmp_path) -> None:
+    x, spk = _embeddings()
+    fitted = fit_backend(x, spk, BackendConfig(("cosine", "asnorm", "plda"), 10, 4, 100))
+    fitted.save(tmp_path / "backend")
+    loaded = Backend.load(tmp_path / "backend")
+    np.testing.assert_array_equal(loaded.mean, fitted.mean)
+    np.testing.assert_array_equal(loaded.cohort, fitted.cohort)
+    probe = x[:3]
+    np.testing.assert_allclose(
+        loaded.plda.score(probe, probe), fitted.plda.score(probe, probe), rtol=0, atol=0
+    )
