@@ -260,6 +260,37 @@ def check_dp_setup(
     `fixed_denominator`: the mean divides by a public constant, not the realised Σw.
     `once_per_tree`: the selector guarantees no client contributes twice to one tree.
     """
+    _check_names_and_values(
+        mechanism, sampling, accounting, noise_multiplier, clip_norm, num_clients, delta, weighting
+    )
+    _check_clip(clip, mechanism, noise_multiplier, count_noise_std)
+    if mechanism == "dp_ftrl":
+        _check_once_per_tree(once_per_tree)
+        return
+    _check_sampled_gaussian(
+        algorithm,
+        sampling,
+        accounting=accounting,
+        num_clients=num_clients,
+        cohort_size=cohort_size,
+        over_selection=over_selection,
+        dropout=dropout,
+        availability=availability,
+        fixed_denominator=fixed_denominator,
+    )
+
+
+def _check_names_and_values(
+    mechanism: str,
+    sampling: str,
+    accounting: str,
+    noise_multiplier: float,
+    clip_norm: float,
+    num_clients: int,
+    delta: float,
+    weighting: str,
+) -> None:
+    """Known names, a positive noise and clip, δ below 1/n, and uniform client weights."""
     if mechanism not in MECHANISMS:
         raise ConfigError("privacy.mechanism", f"unknown {mechanism!r}", f"use one of {MECHANISMS}")
     if sampling not in SAMPLINGS:
@@ -293,6 +324,10 @@ def check_dp_setup(
             "clip norm, so the noise no longer covers one client's contribution",
             "use weighting: uniform (each clipped update counts once)",
         )
+
+
+def _check_clip(clip: str, mechanism: str, noise_multiplier: float, count_noise_std: float) -> None:
+    """Adaptive clipping: not with DP-FTRL, and only with a noised unclipped count."""
     if clip not in ("fixed", "adaptive"):
         raise ConfigError("privacy.clip", f"unknown {clip!r}", "use fixed or adaptive")
     if clip == "adaptive":
@@ -311,18 +346,32 @@ def check_dp_setup(
                 "use count_noise_std ≈ expected cohort / 20 and account with the joint z",
             )
 
-    if mechanism == "dp_ftrl":
-        if not once_per_tree:
-            raise ConfigError(
-                "privacy.once_per_tree",
-                "DP-FTRL's accounting assumes each client contributes at most once per tree; "
-                "this selector does not guarantee it",
-                "restart the tree every epoch and exclude clients already used in the current "
-                "tree from selection (or restart the tree before any client could repeat)",
-            )
-        return
 
-    # Gaussian mechanism: the guarantee rests on sampling amplification.
+def _check_once_per_tree(once_per_tree: bool) -> None:
+    """DP-FTRL's accounting holds only if no client contributes twice to one tree."""
+    if not once_per_tree:
+        raise ConfigError(
+            "privacy.once_per_tree",
+            "DP-FTRL's accounting assumes each client contributes at most once per tree; "
+            "this selector does not guarantee it",
+            "restart the tree every epoch and exclude clients already used in the current "
+            "tree from selection (or restart the tree before any client could repeat)",
+        )
+
+
+def _check_sampled_gaussian(
+    algorithm: str,
+    sampling: str,
+    *,
+    accounting: str,
+    num_clients: int,
+    cohort_size: int | None,
+    over_selection: float,
+    dropout: float,
+    availability: bool,
+    fixed_denominator: bool,
+) -> None:
+    """The Gaussian mechanism's guarantee rests on uniform sampling amplification."""
     if algorithm in ("fedbuff", "fedasync") or sampling == "arrival":
         raise ConfigError(
             "privacy.mechanism",
