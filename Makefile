@@ -8,7 +8,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.fedvox-installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean numbers
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
+
+# Regenerate the demo numbers the README quotes (docs/results/demo.json; a test checks the
+# README against that file). Run on a quiet machine: it also records the wall time.
+numbers: $(STAMP)
+	$(BIN)/fedvox demo --out runs/numbers --quiet --results docs/results/demo.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -335,3 +335,38 @@ def evaluate_run(
         notes=[f"data: {Path(data_dir).resolve()}", f"trials: {Path(trials_path).resolve()}"],
     )
     return result, out
+
+
+def demo_summary(outcome: RunOutcome, wall_s: float) -> dict:
+    """The numbers `fedvox demo` prints (EER in %, minDCF), with the run's provenance."""
+
+    def row(m: dict) -> dict:
+        return {
+            "eer_pct": round(100 * m["eer"], 2),
+            "min_dcf_01": round(m["min_dcf_01"], 3),
+            "min_dcf_05": round(m["min_dcf_05"], 3),
+        }
+
+    systems = {name: row(m) for name, m in outcome.result.summary().items()}
+    if outcome.curve:
+        systems["barely_trained"] = row(outcome.curve[0]) | {"step": outcome.curve[0]["step"]}
+    if outcome.baseline:
+        systems["baseline"] = row(outcome.baseline)
+    manifest = outcome.run.manifest()
+    return {
+        "systems": systems,
+        "wall_s": round(wall_s, 1),
+        "weights_sha256": outcome.weights_sha256,
+        "config_hash": manifest["config_hash"],
+        "git": manifest["git"],
+        "cpu_model": manifest.get("cpu_model"),
+        "cpu_isa": manifest.get("cpu_isa"),
+        "torch_threads": manifest["torch_threads"],
+    }
+
+
+def write_demo_results(outcome: RunOutcome, path: Path, wall_s: float) -> Path:
+    """Write demo_summary as JSON (atomic): the file the README's demo numbers quote."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(demo_summary(outcome, wall_s), indent=2, sort_keys=True) + "\n"
+    return atomic_write_text(path, text)
