@@ -16,6 +16,7 @@ from scipy import linalg
 
 from fedvox.atomic import atomic_write
 from fedvox.errors import DataError
+from fedvox.eval.scoring import labelled_vectors
 
 _FORMAT_VERSION = 1
 _LOG_2PI = float(np.log(2.0 * np.pi))
@@ -25,17 +26,9 @@ def _class_stats(
     x: np.ndarray, labels: Any, what: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Validate (x, labels) and return (x as float64 [N, d], class index [N], counts [K])."""
-    x = np.asarray(x, dtype=np.float64)
-    lab = np.asarray(labels)
-    if x.ndim != 2 or lab.shape != (x.shape[0],):
-        raise DataError(
-            None,
-            f"{what} needs vectors [n, dim] and one label each, got {x.shape} and {lab.shape}",
-            "pass a 2-D embedding matrix and a speaker label per row",
-        )
+    x, inverse, counts = labelled_vectors(x, labels, what)
     if not np.isfinite(x).all():
         raise DataError(None, f"{what} training vectors contain NaN or inf", "re-extract them")
-    _, inverse, counts = np.unique(lab, return_inverse=True, return_counts=True)
     if counts.size < 2:
         raise DataError(
             None, f"{what} needs at least 2 speakers, got {counts.size}", "train on more speakers"

@@ -102,6 +102,22 @@ def as_norm(
     return _snorm(raw, mu_e, sd_e, mu_t, sd_t)
 
 
+def labelled_vectors(
+    x: np.ndarray, labels: Sequence[str] | np.ndarray, what: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check one label per row of a 2-D matrix; (x as float64, class index [N], counts [K])."""
+    x = np.asarray(x, dtype=np.float64)
+    lab = np.asarray(labels)
+    if x.ndim != 2 or lab.shape != (x.shape[0],):
+        raise DataError(
+            None,
+            f"{what} needs vectors [n, dim] and one label each, got {x.shape} and {lab.shape}",
+            "pass a 2-D embedding matrix and a speaker label per row",
+        )
+    _, inverse, counts = np.unique(lab, return_inverse=True, return_counts=True)
+    return x, inverse, counts
+
+
 def cohort_from_training(
     embeddings: np.ndarray, speakers: Sequence[str] | np.ndarray
 ) -> np.ndarray:
@@ -112,15 +128,7 @@ def cohort_from_training(
     length-normalises (WeSpeaker's order); normalising first would put the cohort on a
     different scale from that mean. Rows are ordered by sorted speaker id (deterministic).
     """
-    x = np.asarray(embeddings, dtype=np.float64)
-    spk = np.asarray(speakers)
-    if x.ndim != 2 or spk.shape != (x.shape[0],):
-        raise DataError(
-            None,
-            f"need embeddings [n, dim] and n speaker labels, got {x.shape} and {spk.shape}",
-            "pass one speaker label per training embedding",
-        )
-    _, inverse, counts = np.unique(spk, return_inverse=True, return_counts=True)
+    x, inverse, counts = labelled_vectors(embeddings, speakers, "the AS-norm cohort")
     sums = np.zeros((counts.size, x.shape[1]))
     np.add.at(sums, inverse, x)
     return sums / counts[:, None]
