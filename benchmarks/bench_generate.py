@@ -28,7 +28,7 @@ from fedvox.data.synthetic import (
 
 
 def eer(target: np.ndarray, nontarget: np.ndarray) -> float:
-    """ROC-interpolated EER (algorithms.md §2): where miss rate = false-alarm rate."""
+    """ROC-interpolated EER (the convention of docs/verification.md): where miss rate = false-alarm rate."""
     scores = np.concatenate([target, nontarget])
     labels = np.concatenate([np.ones(target.size), np.zeros(nontarget.size)])
     order = np.argsort(-scores, kind="stable")

@@ -1,6 +1,6 @@
 """Benchmark: xvector-small training step and embedding extraction at 1 vs 2 torch threads.
 
-Prints ms/step, utterances/s, and the step's FLOP floor (benchmarks.md) at each thread count.
+Prints ms/step, utterances/s, and the step's FLOP floor (docs/benchmarks.md) at each thread count.
 Usage: python benchmarks/bench_threads.py [--steps 10] [--threads 1,2] [--repeats 2] [--norm batch]
 """
 
@@ -56,7 +56,7 @@ def main() -> None:
     with FlopCounterMode(display=False) as counter:
         head(extractor.head_input(feats), labels)
     forward_flops = counter.get_total_flops()
-    step_flops = 3 * forward_flops  # forward + backward ~ 3x forward (benchmarks.md)
+    step_flops = 3 * forward_flops  # forward + backward ~ 3x forward (docs/benchmarks.md)
 
     def step() -> None:
         extractor.train()

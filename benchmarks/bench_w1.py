@@ -1,4 +1,4 @@
-"""Benchmark W1 "xvector-small" (benchmarks.md) through fedvox's federated engine.
+"""Benchmark W1 "xvector-small" (docs/benchmarks.md) through fedvox's federated engine.
 
 The compute-bound workload: 1000 clients x 32 utterances (200 frames x 30), 50 clients/round,
 1 epoch, batch 16, SGD 0.05, FedAvg by examples. Prints s/round against the FLOP floor.

@@ -1,4 +1,4 @@
-"""Benchmark W2 "mlp-overhead" (benchmarks.md) through fedvox's federated engine.
+"""Benchmark W2 "mlp-overhead" (docs/benchmarks.md) through fedvox's federated engine.
 
 MLP 784-200-200-10, 1000 clients x 50 examples, 100 clients/round, 1 epoch, batch 10,
 SGD 0.1, FedAvg. Prints s/round (median of rounds 2-6), the FLOP floor measured in the same

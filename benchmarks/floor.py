@@ -1,4 +1,4 @@
-"""FLOP floor shared by the federated benchmarks (benchmarks.md "The floor").
+"""FLOP floor shared by the federated benchmarks (docs/benchmarks.md, "The floor").
 
 Used by bench_w1.py, bench_w2.py and bench_population.py: counts a forward pass with
 FlopCounterMode, measures the dense matmul rate in the same process, and prints one line.

@@ -14,7 +14,7 @@ from torch import nn
 from fedvox.fl import ModuleTask, Population
 
 # Tiny models gain nothing from a second thread, and on a shared 2-core machine a 2-thread
-# process slows several-fold whenever another process holds a core (benchmarks.md).
+# process slows several-fold whenever another process holds a core (docs/benchmarks.md).
 torch.set_num_threads(1)
 
 

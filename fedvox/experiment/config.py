@@ -100,7 +100,7 @@ class DataSection(_Strict):
 
 
 class FeaturesSection(_Strict):
-    """Front end: Kaldi fbank, energy VAD, mean normalisation (algorithms.md §1)."""
+    """Front end: Kaldi fbank, energy VAD, mean normalisation (Kaldi conventions; docs/verification.md)."""
 
     num_mel_bins: int = Field(30, ge=4, le=256)
     vad: bool = True

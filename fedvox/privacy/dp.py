@@ -1,7 +1,7 @@
 """User-level central DP stages: per-client L2 clipping (fixed, adaptive) and Gaussian noise.
 
 Clipping is a `SumStage` before the weighted sum; the noise is a `NoiseStage` on the sum
-(fl/aggregation.py), so every algorithm gets DP without knowing it (algorithms.md §4).
+(fl/aggregation.py), so every algorithm gets DP without knowing it (docs/privacy.md).
 """
 
 from __future__ import annotations
