@@ -14,11 +14,10 @@ from typer.testing import CliRunner
 
 from fedvox.cli import app
 from fedvox.errors import FedvoxError
-from fedvox.experiment.prepare import prepare
+from fedvox.experiment.prepare import prepare, public_store
 from fedvox.experiment.reconeval import (
     load_inputs,
     public_negatives,
-    public_store,
     recon_eval_speakers,
     refine_prototypes,
     split_unseen,
@@ -224,7 +223,7 @@ def test_centralised_run_uses_reconstruction_defaults(
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr("fedvox.experiment.reconeval.public_speaker_store", fake_store)
+    monkeypatch.setattr("fedvox.experiment.prepare.public_speaker_store", fake_store)
     with pytest.raises(Stop):
         recon_eval_speakers(tmp_path / "r", steps=(0, 1))
     assert (seen["n_speakers"], seen["chunks_per_speaker"], seen["chunk_frames"]) == (100, 2, 200)

@@ -77,12 +77,18 @@ class DataSection(_Strict):
 
     `train = "synthetic"` uses the embedded generator; otherwise it is a path to a Kaldi data
     dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list. `test` and `trials` default to the
-    synthetic corpus's held-out split when training on it.
+    synthetic corpus's held-out split when training on it. `public` is the server's labelled
+    public corpus (same formats); unset, public speakers come from the generator (other seed).
     """
 
     train: str = "synthetic"
     test: str | None = None
     trials: str | None = None
+    public: str | None = Field(
+        None,
+        description="server's labelled public corpus (data dir/folder/raw.list); None = "
+        "synthetic public speakers",
+    )
     synthetic: SyntheticSection = SyntheticSection()
     cache_dir: str = ".cache/fedvox"
     workers: int = Field(2, ge=1, description="processes for generation and features")

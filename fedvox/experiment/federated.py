@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from fedvox.data.partition import Partition, partition_corpus
-from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import (
     FEDERATED_PATHS,
@@ -40,7 +38,6 @@ from fedvox.tasks.speakers import (
     SpeakerTask,
     Spreadout,
     make_speaker_recon_update,
-    public_speaker_store,
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
@@ -166,7 +163,8 @@ def _local_speakers(
     crops: dict[str, np.ndarray],
 ) -> tuple[SpeakerReconTask, Population, object, int]:
     """Federated Reconstruction of speaker prototypes: task, population with local speaker
-    slots, the client update (closed-form enrollment + public negatives), extra bytes down."""
+    slots, the client update (closed-form enrollment + the prepared public negatives), extra
+    bytes down."""
     f = cfg.federated
     assert f is not None
     r = f.reconstruction
@@ -180,16 +178,11 @@ def _local_speakers(
         negatives="public",
     )
     population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
-    public = public_speaker_store(
-        cfg.data.synthetic.generator_config(),
-        cfg.features.feature_config(),
-        n_speakers=r.public_speakers,
-        chunks_per_speaker=r.public_chunks,
-        chunk_frames=f.chunk_frames,
-        cache_root=Path(cfg.data.cache_dir) / "corpora",
-        feature_store=FeatureStore(Path(cfg.data.cache_dir) / "features"),
-        workers=cfg.data.workers,
-    )
+    public = data.public
+    if public is None:
+        raise ConfigError(
+            "data.public", "no public speakers were prepared", "build the data with prepare(cfg)"
+        )
     update = make_speaker_recon_update(public, r.recon_config())
     return task, population, update, public.broadcast_bytes(task.emb_dim)
 

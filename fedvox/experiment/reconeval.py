@@ -18,10 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedvox.atomic import atomic_write_text
-from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
-from fedvox.experiment.prepare import prepare
+from fedvox.experiment.prepare import prepare, public_store
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.fl import ClientConfig, Population, ReconConfig
 from fedvox.fl.local import GROUP_FIELD, broadcast_view, eval_splits, reconstruct_stacked
@@ -32,7 +31,6 @@ from fedvox.tasks.speakers import (
     SpeakerReconTask,
     enrollment_prototypes,
     public_prototypes,
-    public_speaker_store,
     score_prototypes,
 )
 from fedvox.training.centralised import set_determinism
@@ -225,6 +223,7 @@ class ReconEvalInputs:
     support_label: Tensor  # [N] speaker index
     query: Tensor  # [Q, D] query utterance embeddings (QUERY_EMBEDDING)
     query_label: Tensor  # [Q]
+    public: PublicStore | None = None  # prepared with the data (runs with local speakers)
 
     def federated(self) -> FederatedSection:
         """The run's [federated] table, or its defaults for a centralised run."""
@@ -263,24 +262,7 @@ def load_inputs(run_path: Path, progress: bool = False) -> ReconEvalInputs:
         torch.from_numpy(sup_spk),
         pooled(emb, owner, len(utts))[torch.tensor(qry, dtype=torch.long)],
         torch.from_numpy(qry_spk),
-    )
-
-
-def public_store(cfg: ExperimentConfig, workers: int | None = None) -> PublicStore:
-    """The public negatives' chunks, built exactly as federated._local_speakers builds them
-    (ReconstructionSection defaults and 200-frame chunks for a run without [federated])."""
-    f = cfg.federated if cfg.federated is not None else FederatedSection()
-    r = f.reconstruction
-    cache = Path(cfg.data.cache_dir)
-    return public_speaker_store(
-        cfg.data.synthetic.generator_config(),
-        cfg.features.feature_config(),
-        n_speakers=r.public_speakers,
-        chunks_per_speaker=r.public_chunks,
-        chunk_frames=f.chunk_frames,
-        cache_root=cache / "corpora",
-        feature_store=FeatureStore(cache / "features"),
-        workers=cfg.data.workers if workers is None else workers,
+        data.public,
     )
 
 
@@ -351,7 +333,7 @@ def _rows(inputs: ReconEvalInputs, steps: Sequence[int], rate: float) -> tuple[l
     negatives = None
     n_public = 0
     if max(steps) > 0:
-        store = public_store(inputs.cfg)
+        store = inputs.public if inputs.public is not None else public_store(inputs.cfg)
         negatives = public_negatives(inputs, store)
         n_public = store.n_speakers
     rows = []
