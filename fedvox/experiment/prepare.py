@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from torch import nn
 
 from fedvox.data.augment import AugmentConfig, AugmentedCorpus, SpeedPerturbedCorpus
 from fedvox.data.corpus import Corpus, load_corpus, load_kaldi_dir
@@ -20,6 +21,7 @@ from fedvox.data.synthetic import ensure_corpus
 from fedvox.data.trials import TrialList, read_trials
 from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import DataSection, ExperimentConfig, FederatedSection
+from fedvox.models.io import MODEL_FILE, load_model, model_info, weights_hash
 from fedvox.tasks.speakers import PublicStore, public_speaker_store, public_store_from_features
 
 
@@ -60,6 +62,15 @@ def training_corpus(train: Corpus, cfg: ExperimentConfig):
     return corpus
 
 
+@dataclass(frozen=True)
+class InitModel:
+    """The extractor a federated run starts from (federated.init_from) and its weights hash."""
+
+    path: Path
+    extractor: nn.Module
+    weights_sha256: str
+
+
 @dataclass
 class PreparedData:
     """Everything training and evaluation need, in memory."""
@@ -72,6 +83,8 @@ class PreparedData:
     feature_config: FeatureConfig
     corpus_dir: Path | None
     public: PublicStore | None = None  # the server's public speakers (negatives), if used
+    public_train: PublicStore | None = None  # all of data.public, for server learning
+    init: InitModel | None = None  # federated.init_from, loaded and checked
 
     @property
     def feat_dim(self) -> int:
@@ -153,9 +166,53 @@ def public_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
         ) from None
 
 
+def public_training_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
+    """Every speaker and every fixed chunk of data.public: the server-learning corpus."""
+    f = cfg.federated if cfg.federated is not None else FederatedSection()
+    corpus = load_public_corpus(cfg.data)
+    corpus.validate()
+    store = FeatureStore(Path(cfg.data.cache_dir) / "features")
+    fcfg = cfg.features.feature_config()
+    feats = extract_corpus(corpus, fcfg, store, workers=cfg.data.workers, progress=progress)
+    return public_store_from_features(feats, corpus.speaker_of, None, None, f.chunk_frames)
+
+
+def load_init_model(cfg: ExperimentConfig, feat_dim: int) -> InitModel:
+    """The model at federated.init_from (a run folder or a model file), refused unless it
+    rebuilds as this run's federated extractor (preset, norm, embedding layer, input size)."""
+    assert cfg.federated is not None and cfg.federated.init_from is not None
+    given = Path(cfg.federated.init_from)
+    path = given / MODEL_FILE if given.is_dir() else given
+    if not path.is_file():
+        raise ConfigError(
+            "federated.init_from",
+            f"no model at {path}" + (" (the run has not finished)" if given.is_dir() else ""),
+            f"point it at a finished run folder (with {MODEL_FILE}) or a model file, or "
+            "finish that run first",
+        )
+    info = model_info(path)
+    want = {
+        "model_name": cfg.model.name,
+        "norm": cfg.model_norm(),
+        "embedding_layer": cfg.model.embedding_layer,
+        "feat_dim": feat_dim,
+    }
+    diff = [f"{k} {info.get(k)!r} (this run: {v!r})" for k, v in want.items() if info.get(k) != v]
+    if diff:
+        raise ConfigError(
+            "federated.init_from",
+            f"{path} is not this run's extractor: {', '.join(diff)}",
+            "train the init model with this run's model.name, model.embedding_layer and "
+            '[features], and model.norm = "layer" (what federated runs use), or drop '
+            "federated.init_from",
+        )
+    extractor = load_model(path)
+    return InitModel(path, extractor, weights_hash(extractor))
+
+
 def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
-    """Corpora → validated audio → features (through the cache) for train and test, and the
-    public speakers' store when the run's server needs one."""
+    """Corpora → validated audio → features (through the cache) for train and test, the
+    server's public stores when the run uses them, and the model federated.init_from names."""
     train, test, trials_path = resolve_corpora(cfg.data, progress)
     train.validate()
     test.validate()
@@ -166,5 +223,12 @@ def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
     train_feats = extract_corpus(train_c, fcfg, store, workers=cfg.data.workers, progress=progress)
     test_feats = extract_corpus(test, fcfg, store, workers=cfg.data.workers, progress=progress)
     corpus_dir = train.root.parent if cfg.data.train == "synthetic" else None
-    public = public_store(cfg, progress) if needs_public(cfg) else None
-    return PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir, public)
+    data = PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir)
+    f = cfg.federated
+    if needs_public(cfg):
+        data.public = public_store(cfg, progress)
+    if f is not None and f.server_learning is not None:
+        data.public_train = public_training_store(cfg, progress)
+    if f is not None and f.init_from is not None:
+        data.init = load_init_model(cfg, data.feat_dim)
+    return data
