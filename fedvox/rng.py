@@ -36,6 +36,8 @@ class Purpose(IntEnum):
     CHUNKS = 0xC4C5
     CODEWORDS = 0xC0DE
     PARTITION = 0x9A27
+    SERVER_LEARNING = 0x5E71  # server-learning batches on the public corpus
+    SERVER_HEAD = 0x5E72  # the server's AAM head over the public speakers
     # privacy
     DP_NOISE = 0xD9A0
     CLIP_COUNT = 0xD9A1

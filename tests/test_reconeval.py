@@ -14,19 +14,20 @@ from typer.testing import CliRunner
 
 from fedvox.cli import app
 from fedvox.errors import FedvoxError
-from fedvox.experiment.prepare import prepare
+from fedvox.experiment.prepare import prepare, public_store
 from fedvox.experiment.reconeval import (
     load_inputs,
     public_negatives,
-    public_store,
     recon_eval_speakers,
     refine_prototypes,
     split_unseen,
     support_loss,
 )
 from fedvox.fl import ClientConfig, Population, ReconConfig
+from fedvox.fl.local import GROUP_FIELD, split_client
 from fedvox.fl.local.reconstruct import reconstruct_one
 from fedvox.models.io import weights_hash
+from fedvox.rng import Purpose, derived_rng
 from fedvox.tasks.speakers import NEGATIVES, PROTOTYPES, SpeakerReconTask
 from fedvox.training.chunks import fixed_chunks
 
@@ -55,7 +56,7 @@ public_speakers = 4
 """
 )
 
-N_SPEAKERS, UTTS = 4, 3  # test speakers, utterances each: support = 0, 2; query = 1
+N_SPEAKERS, UTTS = 4, 3  # test speakers, utterances each: 2 support, 1 query
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +70,52 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "r"
 
 
-def test_split_by_utterance_even_odd() -> None:
-    utts = ["b-2", "a-1", "b-0", "a-0", "b-1", "a-2", "a-3"]
-    sp = split_unseen(utts, lambda u: u.split("-")[0])
+def test_split_by_utterance_halves_each_speaker() -> None:
+    utts = ["a-0", "a-1", "a-2", "a-3", "b-0", "b-1", "b-2"]
+    owner = np.array([0, 0, 1, 2, 3, 4, 5, 5, 6])  # chunks -> utterance
+    sp = split_unseen(utts, lambda u: u.split("-")[0], owner, 2, seed=0)
     assert sp.speakers == ("a", "b")
-    assert sp.support == (("a-0", "a-2"), ("b-0", "b-2"))
-    assert sp.query == (("a-1", "a-3"), ("b-1",))
+    for s, sup, qry in zip(sp.speakers, sp.support, sp.query, strict=True):
+        mine = {u for u in utts if u.startswith(s)}
+        assert set(sup) | set(qry) == mine and not set(sup) & set(qry)
+        assert len(sup) == round(0.5 * len(mine))
+    # the support rows are exactly the chunks of the support utterances
+    for sup, rows in zip(sp.support, sp.support_rows, strict=True):
+        assert sorted(rows.tolist()) == [j for j, o in enumerate(owner) if utts[o] in sup]
     with pytest.raises(FedvoxError, match="single utterance"):
-        split_unseen(["a-0", "a-1", "b-0"], lambda u: u.split("-")[0])
+        split_unseen(["a-0", "a-1", "b-0"], lambda u: u.split("-")[0], np.arange(3), 2, 0)
+
+
+def test_reconeval_split_is_fl_local_split(run: Path) -> None:
+    """RECONEVAL's support/query per held-out speaker are fl.local.split_client's for the same
+    (seed, client): the training split with group = recording, half of them support."""
+    inputs = load_inputs(run)
+    data = prepare(inputs.cfg, progress=False)
+    utts = sorted(data.test_feats)
+    chunks = [fixed_chunks(data.test_feats[u], 60) for u in utts]
+    owner = np.concatenate([np.full(len(c), i) for i, c in enumerate(chunks)])
+    speaker = np.array([data.test_corpus.speaker_of(u) for u in utts])
+    speakers = sorted(set(speaker))
+    assert inputs.split.speakers == tuple(speakers)
+    rows = [np.flatnonzero(speaker[owner] == s) for s in speakers]
+    pop = Population({GROUP_FIELD: torch.from_numpy(owner)}, rows)
+    recon = ReconConfig(split="groups", support_fraction=0.5)
+    b = inputs.federated().local_batch_size
+    x = torch.from_numpy(np.concatenate(chunks)).float()
+    for c in range(len(speakers)):
+        want = split_client(
+            pop, c, derived_rng(inputs.cfg.seed, Purpose.RECON_EVAL, c), b, 1, recon
+        )
+        sup = np.concatenate(want.support)
+        assert inputs.split.support[c] == tuple(utts[i] for i in np.unique(owner[sup]))
+        qry = np.concatenate(want.query)
+        assert inputs.split.query[c] == tuple(utts[i] for i in np.unique(owner[qry]))
+        np.testing.assert_array_equal(inputs.split.support_rows[c], sup)
+    # the support embeddings are the extractor on those chunks, in the split's order
+    order = np.concatenate(inputs.split.support_rows)
+    with torch.no_grad():
+        direct = inputs.extractor(x[torch.from_numpy(order)])
+    torch.testing.assert_close(inputs.support, direct, rtol=1e-5, atol=1e-6)
 
 
 def test_reconeval_counts_and_files(run: Path) -> None:
@@ -106,8 +145,8 @@ def test_closed_form_matches_direct_enrollment_and_steps_move_it(run: Path) -> N
     ext = inputs.extractor
     expect = []
     for s in sorted({data.test_corpus.speaker_of(u) for u in data.test_feats}):
-        utts = sorted(u for u in data.test_feats if data.test_corpus.speaker_of(u) == s)
-        chunks = [fixed_chunks(data.test_feats[u], 60) for u in utts[0::2]]
+        assert s == inputs.split.speakers[len(expect)]
+        chunks = [fixed_chunks(data.test_feats[u], 60) for u in inputs.split.support[len(expect)]]
         x = torch.from_numpy(np.concatenate(chunks))
         with torch.no_grad():
             e = F.normalize(ext(x.float()), dim=-1)
@@ -184,7 +223,7 @@ def test_centralised_run_uses_reconstruction_defaults(
         seen.update(kw)
         raise Stop
 
-    monkeypatch.setattr("fedvox.experiment.reconeval.public_speaker_store", fake_store)
+    monkeypatch.setattr("fedvox.experiment.prepare.public_speaker_store", fake_store)
     with pytest.raises(Stop):
         recon_eval_speakers(tmp_path / "r", steps=(0, 1))
     assert (seen["n_speakers"], seen["chunks_per_speaker"], seen["chunk_frames"]) == (100, 2, 200)

@@ -77,12 +77,18 @@ class DataSection(_Strict):
 
     `train = "synthetic"` uses the embedded generator; otherwise it is a path to a Kaldi data
     dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list. `test` and `trials` default to the
-    synthetic corpus's held-out split when training on it.
+    synthetic corpus's held-out split when training on it. `public` is the server's labelled
+    public corpus (same formats); unset, public speakers come from the generator (other seed).
     """
 
     train: str = "synthetic"
     test: str | None = None
     trials: str | None = None
+    public: str | None = Field(
+        None,
+        description="server's labelled public corpus (data dir/folder/raw.list); None = "
+        "synthetic public speakers",
+    )
     synthetic: SyntheticSection = SyntheticSection()
     cache_dir: str = ".cache/fedvox"
     workers: int = Field(2, ge=1, description="processes for generation and features")
@@ -274,6 +280,19 @@ class FedAwSSection(_Strict):
     spread_steps: int = Field(1, ge=1)
 
 
+class ServerLearningSection(_Strict):
+    """Server learning: after each server step, `steps` SGD steps of the AAM speaker loss on
+    batches of the server's public corpus (data.public, all its speakers), with a head over
+    those speakers that stays on the server (never broadcast)."""
+
+    steps: int = Field(1, ge=1, description="SGD steps per server step")
+    lr: float = Field(
+        1e-3, gt=0, description="SGD on the AAM loss (scale 30) overshoots above ~1e-3"
+    )
+    batch_size: int = Field(32, ge=2, description="public chunks per step")
+    momentum: float = Field(0.0, ge=0, lt=1)
+
+
 class FederatedSection(_Strict):
     """Federated training on the virtual clock (fedvox.fl); absent = centralised training.
 
@@ -332,10 +351,16 @@ class FederatedSection(_Strict):
     server_steps: int = Field(200, ge=1)
     eval_every: int = Field(20, ge=1, description="server steps between held-out evaluations")
     checkpoint_every: int = Field(20, ge=1, description="server steps between checkpoints")
+    init_from: str | None = Field(
+        None,
+        description="start the extractor from a finished run folder (or its model.pt), e.g. "
+        "a centralised run on the public domain; None = random init from the seed",
+    )
     partition: PartitionSection = PartitionSection()
     privacy: PrivacySection = PrivacySection()
     reconstruction: ReconstructionSection = ReconstructionSection()
     fedaws: FedAwSSection = FedAwSSection()
+    server_learning: ServerLearningSection | None = None
 
     @model_validator(mode="after")
     def _check(self) -> FederatedSection:
@@ -447,6 +472,10 @@ FEDERATED_PATHS = {
     "algorithm.staleness": "federated.staleness",
     "algorithm.max_staleness": "federated.max_staleness",
     "algorithm.weighting": "federated.weighting",
+    "server_learning.steps": "federated.server_learning.steps",
+    "server_learning.lr": "federated.server_learning.lr",
+    "server_learning.batch_size": "federated.server_learning.batch_size",
+    "server_learning.momentum": "federated.server_learning.momentum",
 }
 _RECON_PATHS = {
     "reconstruction.steps": "federated.reconstruction.steps",
@@ -513,6 +542,14 @@ def config_from_dict(d: dict[str, Any], source: str | None = None) -> Experiment
             cfg.federated.check_engine()
         except ConfigError as err:
             raise ConfigError(err.field, err.problem, err.fix, source) from None
+        if cfg.federated.server_learning is not None and cfg.data.public is None:
+            raise ConfigError(
+                "federated.server_learning",
+                "server learning trains on the server's public corpus, and data.public is unset",
+                "set data.public to a labelled corpus (Kaldi data dir, VoxCeleb/LibriSpeech "
+                "folder or raw.list), or remove [federated.server_learning]",
+                source,
+            )
     return cfg
 
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from fedvox.data.partition import Partition, partition_corpus
-from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import (
     FEDERATED_PATHS,
@@ -26,7 +24,7 @@ from fedvox.experiment.config import (
     toml_paths,
 )
 from fedvox.experiment.evaluate import quick_eval
-from fedvox.experiment.prepare import PreparedData
+from fedvox.experiment.prepare import InitModel, PreparedData
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
 from fedvox.fl import Algorithm, Population, Simulator
@@ -36,11 +34,11 @@ from fedvox.progress import task_progress
 from fedvox.rng import Purpose, derived_seed
 from fedvox.tasks.speakers import (
     FedAwSTask,
+    ServerLearning,
     SpeakerReconTask,
     SpeakerTask,
     Spreadout,
     make_speaker_recon_update,
-    public_speaker_store,
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
@@ -50,9 +48,12 @@ PARTITION_FILE = "partition.json"
 TRIPS_FILE = "trips.jsonl"
 
 
-def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module:
+def build_federated_extractor(
+    cfg: ExperimentConfig, feat_dim: int, init: InitModel | None = None
+) -> nn.Module:
     """The extractor with batch-independent LayerNorm (vmap over clients cannot carry
-    BatchNorm statistics) unless the config names a norm; seeded from the run seed."""
+    BatchNorm statistics) unless the config names a norm; seeded from the run seed, then
+    given the weights of `init` (federated.init_from) if there is one."""
     torch.manual_seed(derived_seed(cfg.seed, Purpose.INIT, bits=32))
     kw = {} if cfg.model.embedding_layer is None else {"embedding_layer": cfg.model.embedding_layer}
     extractor = build_extractor(cfg.model.name, feat_dim, norm=cfg.model_norm(), **kw)
@@ -62,12 +63,16 @@ def build_federated_extractor(cfg: ExperimentConfig, feat_dim: int) -> nn.Module
             "BatchNorm cannot be trained by vectorised federated clients",
             'use model.norm = "layer" (or leave it unset) for federated runs',
         )
+    if init is not None:
+        extractor.load_state_dict(init.extractor.state_dict())
     return extractor
 
 
-def build_task(cfg: ExperimentConfig, feat_dim: int, n_speakers: int) -> SpeakerTask:
+def build_task(
+    cfg: ExperimentConfig, feat_dim: int, n_speakers: int, init: InitModel | None = None
+) -> SpeakerTask:
     """Extractor plus the global AAM head over all training speakers."""
-    extractor = build_federated_extractor(cfg, feat_dim)
+    extractor = build_federated_extractor(cfg, feat_dim, init)
     emb_dim = extractor(torch.zeros(2, 50, feat_dim)).shape[1]
     return SpeakerTask(
         extractor, AAMSoftmax(emb_dim, n_speakers, scale=cfg.model.scale, margin=0.0)
@@ -111,6 +116,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     else:
         population = Population(store, clients, seed=cfg.seed, **crops)
         task = _global_task(cfg, data)
+    if f.server_learning is not None:
+        algorithm = _server_learning(cfg, data, task, algorithm)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
@@ -140,6 +147,31 @@ def build_algorithm(f: FederatedSection) -> Algorithm:
     return Spreadout(algorithm, nu=a.nu, spread_lr=a.spread_lr, spread_steps=a.spread_steps)
 
 
+def _server_learning(
+    cfg: ExperimentConfig, data: PreparedData, task: nn.Module, algorithm: Algorithm
+) -> Algorithm:
+    """`algorithm` followed by SGD on the prepared public corpus after each server step."""
+    s = cfg.federated.server_learning if cfg.federated is not None else None
+    assert s is not None
+    if data.public_train is None:
+        raise ConfigError(
+            "federated.server_learning", "no public corpus was prepared", "prepare(cfg) first"
+        )
+    with toml_paths(FEDERATED_PATHS):
+        return ServerLearning(
+            algorithm,
+            task.extractor,
+            data.public_train,
+            steps=s.steps,
+            lr=s.lr,
+            batch_size=s.batch_size,
+            momentum=s.momentum,
+            seed=cfg.seed,
+            scale=cfg.model.scale,
+            margin=cfg.model.margin,
+        )
+
+
 def _global_task(cfg: ExperimentConfig, data: PreparedData) -> nn.Module:
     """The task of the modes whose speakers live on the server: global head, codewords, FedAwS."""
     f = cfg.federated
@@ -147,12 +179,12 @@ def _global_task(cfg: ExperimentConfig, data: PreparedData) -> nn.Module:
     n_speakers = len(data.train_speakers())
     if f.speakers == "fedaws":
         return FedAwSTask(
-            build_federated_extractor(cfg, data.feat_dim),
+            build_federated_extractor(cfg, data.feat_dim, data.init),
             n_speakers,
             pos_margin=f.fedaws.pos_margin,
             seed=cfg.seed,
         )
-    task = build_task(cfg, data.feat_dim, n_speakers)
+    task = build_task(cfg, data.feat_dim, n_speakers, data.init)
     if f.speakers == "codewords":
         task.fix_head(derived_seed(cfg.seed, Purpose.CODEWORDS, bits=32))
     return task
@@ -166,30 +198,26 @@ def _local_speakers(
     crops: dict[str, np.ndarray],
 ) -> tuple[SpeakerReconTask, Population, object, int]:
     """Federated Reconstruction of speaker prototypes: task, population with local speaker
-    slots, the client update (closed-form enrollment + public negatives), extra bytes down."""
+    slots, the client update (closed-form enrollment + the prepared public negatives), extra
+    bytes down."""
     f = cfg.federated
     assert f is not None
     r = f.reconstruction
     y = store["y"].numpy()
     max_local = max(len(np.unique(y[c])) for c in clients)
     task = SpeakerReconTask(
-        build_federated_extractor(cfg, data.feat_dim),
+        build_federated_extractor(cfg, data.feat_dim, data.init),
         scale=cfg.model.scale,
         margin=0.0,
         max_local=max_local,
         negatives="public",
     )
     population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
-    public = public_speaker_store(
-        cfg.data.synthetic.generator_config(),
-        cfg.features.feature_config(),
-        n_speakers=r.public_speakers,
-        chunks_per_speaker=r.public_chunks,
-        chunk_frames=f.chunk_frames,
-        cache_root=Path(cfg.data.cache_dir) / "corpora",
-        feature_store=FeatureStore(Path(cfg.data.cache_dir) / "features"),
-        workers=cfg.data.workers,
-    )
+    public = data.public
+    if public is None:
+        raise ConfigError(
+            "data.public", "no public speakers were prepared", "build the data with prepare(cfg)"
+        )
     update = make_speaker_recon_update(public, r.recon_config())
     return task, population, update, public.broadcast_bytes(task.emb_dim)
 

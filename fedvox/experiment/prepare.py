@@ -1,7 +1,8 @@
-"""Data preparation for a run: corpora, trial list and cached features, from the config.
+"""Data preparation for a run: corpora, trial list, cached features and public speakers.
 
 The first stages of the pipeline (audio → features → feature store); everything after it
-works on the in-memory feature matrices this returns.
+works on the in-memory feature matrices (and the server's public store) this returns, so
+wiring a run does no I/O.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from torch import nn
 
 from fedvox.data.augment import AugmentConfig, AugmentedCorpus, SpeedPerturbedCorpus
 from fedvox.data.corpus import Corpus, load_corpus, load_kaldi_dir
@@ -17,7 +19,10 @@ from fedvox.data.features import FeatureConfig
 from fedvox.data.store import FeatureStore, extract_corpus
 from fedvox.data.synthetic import ensure_corpus
 from fedvox.data.trials import TrialList, read_trials
-from fedvox.experiment.config import DataSection, ExperimentConfig
+from fedvox.errors import ConfigError, DataError
+from fedvox.experiment.config import DataSection, ExperimentConfig, FederatedSection
+from fedvox.models.io import MODEL_FILE, load_model, model_info, weights_hash
+from fedvox.tasks.speakers import PublicStore, public_speaker_store, public_store_from_features
 
 
 def synthetic_corpus_dir(data: DataSection, progress: bool = True) -> Path:
@@ -57,6 +62,15 @@ def training_corpus(train: Corpus, cfg: ExperimentConfig):
     return corpus
 
 
+@dataclass(frozen=True)
+class InitModel:
+    """The extractor a federated run starts from (federated.init_from) and its weights hash."""
+
+    path: Path
+    extractor: nn.Module
+    weights_sha256: str
+
+
 @dataclass
 class PreparedData:
     """Everything training and evaluation need, in memory."""
@@ -68,6 +82,9 @@ class PreparedData:
     test_feats: dict[str, np.ndarray]
     feature_config: FeatureConfig
     corpus_dir: Path | None
+    public: PublicStore | None = None  # the server's public speakers (negatives), if used
+    public_train: PublicStore | None = None  # all of data.public, for server learning
+    init: InitModel | None = None  # federated.init_from, loaded and checked
 
     @property
     def feat_dim(self) -> int:
@@ -83,8 +100,119 @@ class PreparedData:
         return utts, np.array([spk_index[self.train_corpus.speaker_of(u)] for u in utts])
 
 
+def needs_public(cfg: ExperimentConfig) -> bool:
+    """Whether the run's server holds public speakers (the local-speaker mode's negatives)."""
+    return cfg.federated is not None and cfg.federated.speakers == "local"
+
+
+def load_public_corpus(data: DataSection) -> Corpus:
+    """The corpus at data.public, its errors named by that field."""
+    assert data.public is not None
+    try:
+        return load_corpus(Path(data.public))
+    except DataError as err:
+        raise ConfigError(
+            "data.public",
+            f"{data.public}: {err.problem}",
+            f"point data.public at a Kaldi data dir, VoxCeleb/LibriSpeech folder or raw.list "
+            f"({err.fix}), or remove it to use synthetic public speakers",
+        ) from None
+
+
+def public_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
+    """The public speakers' fixed chunks: the first reconstruction.public_speakers speakers
+    (sorted ids) of data.public with their first public_chunks chunks, or, with data.public
+    unset, the embedded generator's other-seed speakers. [federated] defaults without it."""
+    f = cfg.federated if cfg.federated is not None else FederatedSection()
+    r = f.reconstruction
+    cache = Path(cfg.data.cache_dir)
+    store = FeatureStore(cache / "features")
+    if cfg.data.public is None:
+        return public_speaker_store(
+            cfg.data.synthetic.generator_config(),
+            cfg.features.feature_config(),
+            n_speakers=r.public_speakers,
+            chunks_per_speaker=r.public_chunks,
+            chunk_frames=f.chunk_frames,
+            cache_root=cache / "corpora",
+            feature_store=store,
+            workers=cfg.data.workers,
+            progress=progress,
+        )
+    corpus = load_public_corpus(cfg.data)
+    speakers = corpus.speakers()
+    if len(speakers) < r.public_speakers:
+        raise ConfigError(
+            "data.public",
+            f"{cfg.data.public} holds {len(speakers)} speakers, "
+            f"federated.reconstruction.public_speakers asks for {r.public_speakers}",
+            f"set federated.reconstruction.public_speakers <= {len(speakers)} or point "
+            "data.public at a corpus with more speakers",
+        )
+    sub = corpus.subset(speakers=speakers[: r.public_speakers])
+    sub.validate()
+    fcfg = cfg.features.feature_config()
+    feats = extract_corpus(sub, fcfg, store, workers=cfg.data.workers, progress=progress)
+    try:
+        return public_store_from_features(
+            feats, sub.speaker_of, r.public_speakers, r.public_chunks, f.chunk_frames
+        )
+    except DataError as err:
+        raise ConfigError(
+            "federated.reconstruction.public_chunks",
+            f"data.public ({cfg.data.public}): {err.problem}",
+            "lower federated.reconstruction.public_chunks or federated.chunk_frames, or give "
+            "data.public longer or more utterances per speaker",
+        ) from None
+
+
+def public_training_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
+    """Every speaker and every fixed chunk of data.public: the server-learning corpus."""
+    f = cfg.federated if cfg.federated is not None else FederatedSection()
+    corpus = load_public_corpus(cfg.data)
+    corpus.validate()
+    store = FeatureStore(Path(cfg.data.cache_dir) / "features")
+    fcfg = cfg.features.feature_config()
+    feats = extract_corpus(corpus, fcfg, store, workers=cfg.data.workers, progress=progress)
+    return public_store_from_features(feats, corpus.speaker_of, None, None, f.chunk_frames)
+
+
+def load_init_model(cfg: ExperimentConfig, feat_dim: int) -> InitModel:
+    """The model at federated.init_from (a run folder or a model file), refused unless it
+    rebuilds as this run's federated extractor (preset, norm, embedding layer, input size)."""
+    assert cfg.federated is not None and cfg.federated.init_from is not None
+    given = Path(cfg.federated.init_from)
+    path = given / MODEL_FILE if given.is_dir() else given
+    if not path.is_file():
+        raise ConfigError(
+            "federated.init_from",
+            f"no model at {path}" + (" (the run has not finished)" if given.is_dir() else ""),
+            f"point it at a finished run folder (with {MODEL_FILE}) or a model file, or "
+            "finish that run first",
+        )
+    info = model_info(path)
+    want = {
+        "model_name": cfg.model.name,
+        "norm": cfg.model_norm(),
+        "embedding_layer": cfg.model.embedding_layer,
+        "feat_dim": feat_dim,
+    }
+    diff = [f"{k} {info.get(k)!r} (this run: {v!r})" for k, v in want.items() if info.get(k) != v]
+    if diff:
+        raise ConfigError(
+            "federated.init_from",
+            f"{path} is not this run's extractor: {', '.join(diff)}",
+            "train the init model with this run's model.name, model.embedding_layer and "
+            '[features], and model.norm = "layer" (what federated runs use), or drop '
+            "federated.init_from",
+        )
+    extractor = load_model(path)
+    return InitModel(path, extractor, weights_hash(extractor))
+
+
 def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
-    """Corpora → validated audio → features (through the cache) for train and test."""
+    """Corpora → validated audio → features (through the cache) for train and test, the
+    server's public stores when the run uses them, and the model federated.init_from names."""
     train, test, trials_path = resolve_corpora(cfg.data, progress)
     train.validate()
     test.validate()
@@ -95,4 +223,12 @@ def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
     train_feats = extract_corpus(train_c, fcfg, store, workers=cfg.data.workers, progress=progress)
     test_feats = extract_corpus(test, fcfg, store, workers=cfg.data.workers, progress=progress)
     corpus_dir = train.root.parent if cfg.data.train == "synthetic" else None
-    return PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir)
+    data = PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir)
+    f = cfg.federated
+    if needs_public(cfg):
+        data.public = public_store(cfg, progress)
+    if f is not None and f.server_learning is not None:
+        data.public_train = public_training_store(cfg, progress)
+    if f is not None and f.init_from is not None:
+        data.init = load_init_model(cfg, data.feat_dim)
+    return data

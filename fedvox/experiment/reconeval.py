@@ -1,7 +1,7 @@
 """RECONEVAL on unseen speakers: a trained run's extractor, prototypes reconstructed per device.
 
 Run folder → test features → fixed chunks → one client per held-out speaker (support/query by
-utterance) → prototype (closed form, then k SGD epochs against public negatives) → cosine EER.
+utterance, fl.local's split) → prototype (closed form, then k SGD epochs against public negatives) → cosine EER.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedvox.atomic import atomic_write_text
-from fedvox.data.store import FeatureStore
 from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import ExperimentConfig, FederatedSection
-from fedvox.experiment.prepare import prepare
+from fedvox.experiment.prepare import prepare, public_store
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.fl import ClientConfig, Population, ReconConfig
-from fedvox.fl.local import broadcast_view, reconstruct_stacked
+from fedvox.fl.local import GROUP_FIELD, broadcast_view, eval_splits, reconstruct_stacked
 from fedvox.tasks.speakers import (
     NEGATIVES,
     PROTOTYPES,
@@ -32,7 +31,6 @@ from fedvox.tasks.speakers import (
     SpeakerReconTask,
     enrollment_prototypes,
     public_prototypes,
-    public_speaker_store,
     score_prototypes,
 )
 from fedvox.training.centralised import set_determinism
@@ -44,22 +42,30 @@ EMBED_BATCH = 256  # chunks per extractor call (fixed, so the bits do not depend
 QUERY_EMBEDDING = "chunk_mean"  # query utterance = normalised mean of normalised chunk embs
 
 
+UNSEEN_SPLIT = ReconConfig(split="groups", support_fraction=0.5)  # half the recordings
+
+
 @dataclass(frozen=True)
 class UnseenSplit:
-    """Held-out speakers as clients: speaker i's support and query utterance ids (sorted)."""
+    """Held-out speakers as clients: speaker i's support and query utterance ids (sorted),
+    and the chunk rows of its support in the order the reconstruction walks them."""
 
     speakers: tuple[str, ...]
     support: tuple[tuple[str, ...], ...]
     query: tuple[tuple[str, ...], ...]
+    support_rows: tuple[np.ndarray, ...]
 
 
-def split_unseen(utts: Sequence[str], speaker_of: Callable[[str], str]) -> UnseenSplit:
-    """One client per speaker; its utterances in id order, even positions → support, odd →
-    query. Needs >= 2 speakers with >= 2 utterances each (else nothing to score)."""
-    by_speaker: dict[str, list[str]] = {}
-    for u in sorted(utts):
-        by_speaker.setdefault(speaker_of(u), []).append(u)
-    speakers = sorted(by_speaker)
+def unseen_population(
+    utts: Sequence[str], speaker_of: Callable[[str], str], owner: np.ndarray
+) -> tuple[Population, tuple[str, ...]]:
+    """One client per speaker (sorted ids) over the chunks of `utts`; chunk j belongs to
+    utterance owner[j], its group (recording), as in the training store. Needs >= 2
+    speakers with >= 2 utterances each (else nothing to hold out)."""
+    by_speaker: dict[str, list[int]] = {}
+    for i, u in enumerate(utts):
+        by_speaker.setdefault(speaker_of(u), []).append(i)
+    speakers = tuple(sorted(by_speaker))
     few = [s for s in speakers if len(by_speaker[s]) < 2]
     if few:
         raise DataError(
@@ -69,10 +75,32 @@ def split_unseen(utts: Sequence[str], speaker_of: Callable[[str], str]) -> Unsee
         )
     if len(speakers) < 2:
         raise DataError(None, f"{len(speakers)} test speaker(s)", "give at least 2 test speakers")
+    owner = np.asarray(owner, dtype=np.int64)
+    rows = [np.flatnonzero(np.isin(owner, by_speaker[s])) for s in speakers]
+    return Population({GROUP_FIELD: torch.from_numpy(owner)}, rows), speakers
+
+
+def split_unseen(
+    utts: Sequence[str],
+    speaker_of: Callable[[str], str],
+    owner: np.ndarray,
+    batch_size: int,
+    seed: int,
+) -> UnseenSplit:
+    """Each speaker's support/query by utterance from fl.local's split (eval_splits with the
+    "groups" split, half the recordings each side), keyed by (seed, speaker index) exactly as
+    Federated Reconstruction's evaluation: training and RECONEVAL share one split function."""
+    population, speakers = unseen_population(utts, speaker_of, owner)
+    splits = eval_splits(population, range(len(speakers)), batch_size, UNSEEN_SPLIT, seed)
+
+    def names(batches: list[np.ndarray]) -> tuple[str, ...]:
+        return tuple(utts[i] for i in np.unique(owner[np.concatenate(batches)]))
+
     return UnseenSplit(
-        tuple(speakers),
-        tuple(tuple(by_speaker[s][0::2]) for s in speakers),
-        tuple(tuple(by_speaker[s][1::2]) for s in speakers),
+        speakers,
+        tuple(names(sp.support) for sp in splits),
+        tuple(names(sp.query) for sp in splits),
+        tuple(np.concatenate(sp.support) for sp in splits),
     )
 
 
@@ -195,6 +223,7 @@ class ReconEvalInputs:
     support_label: Tensor  # [N] speaker index
     query: Tensor  # [Q, D] query utterance embeddings (QUERY_EMBEDDING)
     query_label: Tensor  # [Q]
+    public: PublicStore | None = None  # prepared with the data (runs with local speakers)
 
     def federated(self) -> FederatedSection:
         """The run's [federated] table, or its defaults for a centralised run."""
@@ -214,41 +243,26 @@ def load_inputs(run_path: Path, progress: bool = False) -> ReconEvalInputs:
     extractor, cfg = load_run_model(run)
     set_determinism(cfg.train.threads)
     data = prepare(cfg, progress=progress)
-    chunk_frames = (cfg.federated or FederatedSection()).chunk_frames
-    split = split_unseen(list(data.test_feats), data.test_corpus.speaker_of)
-    sup_utts = [u for us in split.support for u in us]
-    sup_spk = np.concatenate([np.full(len(us), i) for i, us in enumerate(split.support)])
-    qry_utts = [u for us in split.query for u in us]
+    f = cfg.federated or FederatedSection()
+    utts = sorted(data.test_feats)
+    emb, owner = chunk_embeddings(extractor, data.test_feats, utts, f.chunk_frames)
+    split = split_unseen(
+        utts, data.test_corpus.speaker_of, owner.numpy(), f.local_batch_size, cfg.seed
+    )
+    index = {u: i for i, u in enumerate(utts)}
+    qry = [index[u] for us in split.query for u in us]
     qry_spk = np.concatenate([np.full(len(us), i) for i, us in enumerate(split.query)])
-    s_emb, s_owner = chunk_embeddings(extractor, data.test_feats, sup_utts, chunk_frames)
-    q_emb, q_owner = chunk_embeddings(extractor, data.test_feats, qry_utts, chunk_frames)
+    sup_spk = np.concatenate([np.full(len(r), i) for i, r in enumerate(split.support_rows)])
     return ReconEvalInputs(
         cfg,
         extractor,
         split,
-        chunk_frames,
-        s_emb,
-        torch.from_numpy(sup_spk[s_owner.numpy()]),
-        pooled(q_emb, q_owner, len(qry_utts)),
+        f.chunk_frames,
+        emb[torch.from_numpy(np.concatenate(split.support_rows))],
+        torch.from_numpy(sup_spk),
+        pooled(emb, owner, len(utts))[torch.tensor(qry, dtype=torch.long)],
         torch.from_numpy(qry_spk),
-    )
-
-
-def public_store(cfg: ExperimentConfig, workers: int | None = None) -> PublicStore:
-    """The public negatives' chunks, built exactly as federated._local_speakers builds them
-    (ReconstructionSection defaults and 200-frame chunks for a run without [federated])."""
-    f = cfg.federated if cfg.federated is not None else FederatedSection()
-    r = f.reconstruction
-    cache = Path(cfg.data.cache_dir)
-    return public_speaker_store(
-        cfg.data.synthetic.generator_config(),
-        cfg.features.feature_config(),
-        n_speakers=r.public_speakers,
-        chunks_per_speaker=r.public_chunks,
-        chunk_frames=f.chunk_frames,
-        cache_root=cache / "corpora",
-        feature_store=FeatureStore(cache / "features"),
-        workers=cfg.data.workers if workers is None else workers,
+        data.public,
     )
 
 
@@ -288,7 +302,8 @@ def recon_eval_speakers(
         "run": str(run_path),
         "speakers_mode": inputs.cfg.federated.speakers if inputs.cfg.federated else "centralised",
         "query_embedding": QUERY_EMBEDDING,
-        "split": "by utterance: even positions (sorted ids) support, odd query",
+        "split": "by utterance: fl.local's groups split, half of each speaker's recordings "
+        "support (drawn from (seed, speaker)), the rest query",
         "lr": rate,
         "batch_size": f.local_batch_size,
         "margin": inputs.cfg.model.margin,
@@ -318,7 +333,7 @@ def _rows(inputs: ReconEvalInputs, steps: Sequence[int], rate: float) -> tuple[l
     negatives = None
     n_public = 0
     if max(steps) > 0:
-        store = public_store(inputs.cfg)
+        store = inputs.public if inputs.public is not None else public_store(inputs.cfg)
         negatives = public_negatives(inputs, store)
         n_public = store.n_speakers
     rows = []

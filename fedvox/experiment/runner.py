@@ -245,6 +245,10 @@ def run_experiment(
         n_trials=len(data.trials),
         corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
     )
+    if data.init is not None:  # federated.init_from: which weights the run started from
+        run.update_manifest(
+            init_from=str(data.init.path), init_weights_sha256=data.init.weights_sha256
+        )
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
     return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress)

@@ -50,6 +50,16 @@ def save_model(
     return atomic_write(Path(path), lambda f: torch.save(blob, f))
 
 
+def model_info(path: Path) -> dict:
+    """What rebuilds the extractor saved at `path` (model_name, norm, embedding_layer,
+    feat_dim) and its weights_sha256, without building it."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(path, "no trained model here", "pass a model file written by training")
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    return {k: v for k, v in blob.items() if k != "extractor"}
+
+
 def load_model(path: Path) -> nn.Module:
     """The extractor saved at `path`, rebuilt from its preset, in eval mode."""
     path = Path(path)

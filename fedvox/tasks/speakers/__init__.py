@@ -3,8 +3,9 @@
 Global head (`SpeakerTask`, with fixed codeword rows via `fix_head`), speakers as local
 prototypes (`SpeakerReconTask`: Federated Reconstruction, prototypes enrolled on the device
 against public negatives the server broadcasts, `make_speaker_recon_update`) and FedAwS
-(`FedAwSTask` with the `Spreadout` wrapper around any fl Algorithm); plus the metrics that
-score enrolled prototypes. Why the public negatives prevent collapse: docs/federated.md.
+(`FedAwSTask` with the `Spreadout` wrapper around any fl Algorithm); server learning on the
+server's public corpus (`ServerLearning`, another such wrapper); plus the metrics that score
+enrolled prototypes. Why the public negatives prevent collapse: docs/federated.md.
 """
 
 from fedvox.tasks.speakers.common import EXTRACTOR, embedding_dim, extractor_params
@@ -34,6 +35,7 @@ from fedvox.tasks.speakers.public import (
     public_synthetic_config,
     with_negatives,
 )
+from fedvox.tasks.speakers.server_learning import ServerLearning
 from fedvox.tasks.speakers.update import make_speaker_recon_update
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "PUBLIC_SEED_OFFSET",
     "FedAwSTask",
     "PublicStore",
+    "ServerLearning",
     "SpeakerReconTask",
     "SpeakerTask",
     "Spreadout",

@@ -55,12 +55,12 @@ def public_store_from_features(
     feats: Mapping[str, np.ndarray],
     speaker_of: Mapping[str, str] | Callable[[str], str],
     n_speakers: int | None = None,
-    chunks_per_speaker: int = 2,
+    chunks_per_speaker: int | None = 2,
     chunk_frames: int = 200,
 ) -> PublicStore:
     """PublicStore from extracted features {utt: [frames, dim]}: the first `n_speakers`
     speakers (sorted ids; None = all), each with its first `chunks_per_speaker` fixed chunks
-    over its utterances in sorted order. Deterministic: no randomness involved."""
+    (None = all of them) over its utterances in sorted order. Deterministic: no randomness."""
     spk = speaker_of if callable(speaker_of) else speaker_of.__getitem__
     by_speaker: dict[str, list[str]] = {}
     for u in sorted(feats):
@@ -74,7 +74,11 @@ def public_store_from_features(
                 "ask for fewer public speakers or pass more",
             )
         speakers = speakers[:n_speakers]
-    if chunks_per_speaker < 1 or chunk_frames < 1 or not speakers:
+    if (
+        (chunks_per_speaker is not None and chunks_per_speaker < 1)
+        or chunk_frames < 1
+        or not speakers
+    ):
         raise ConfigError(
             "public",
             f"{len(speakers)} speakers, chunks_per_speaker={chunks_per_speaker}, "
@@ -84,15 +88,16 @@ def public_store_from_features(
     xs, ys = [], []
     for i, s in enumerate(speakers):
         chunks = np.concatenate([fixed_chunks(feats[u], chunk_frames) for u in by_speaker[s]])
-        if len(chunks) < chunks_per_speaker:
+        take = len(chunks) if chunks_per_speaker is None else chunks_per_speaker
+        if len(chunks) < take:
             raise DataError(
                 None,
                 f"public speaker {s} has {len(chunks)} chunks of {chunk_frames} frames, "
                 f"{chunks_per_speaker} needed",
                 "use fewer chunks per speaker or longer/more utterances",
             )
-        xs.append(chunks[:chunks_per_speaker])
-        ys.append(np.full(chunks_per_speaker, i, dtype=np.int64))
+        xs.append(chunks[:take])
+        ys.append(np.full(take, i, dtype=np.int64))
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate(xs), dtype=np.float32))
     return PublicStore(x, torch.from_numpy(np.concatenate(ys)), tuple(speakers))
 
