@@ -228,8 +228,16 @@ def sample_speaker(seed: int, split: str, speaker_index: int) -> SpeakerParams:
     _check_split(split)
     if speaker_index < 0:
         raise ConfigError("speaker_index", f"got {speaker_index}", "use an index >= 0")
-    rng = _rng(seed, split, speaker_index, 0, _P_SPEAKER)
-    female = bool(rng.random() < 0.5)
+    return draw_voice(
+        _rng(seed, split, speaker_index, 0, _P_SPEAKER), _speaker_id(split, speaker_index)
+    )
+
+
+def draw_voice(
+    rng: np.random.Generator, speaker_id: str, female_prob: float = 0.5
+) -> SpeakerParams:
+    """One voice from the population prior, drawn from `rng` (the prior shared by every world)."""
+    female = bool(rng.random() < female_prob)
     vtl = float(np.exp(rng.normal(np.log(1.16) if female else 0.0, 0.055)))
     # Formant idiosyncrasies: a speaker-wide offset per formant (larger for F4/F5, which
     # depend on the larynx cavity more than on the vowel) plus one per (phone, formant).
@@ -238,7 +246,7 @@ def sample_speaker(seed: int, split: str, speaker_index: int) -> SpeakerParams:
     offsets = global_off[None, :] + per_phone
     f0 = float((210.0 if female else 120.0) * np.exp(rng.normal(0.0, 0.15)))
     return SpeakerParams(
-        speaker_id=_speaker_id(split, speaker_index),
+        speaker_id=speaker_id,
         sex="female" if female else "male",
         vtl_scale=vtl,
         formant_offsets=tuple(tuple(float(v) for v in row) for row in offsets),
@@ -412,6 +420,16 @@ _PROSODY = Prosody()
 
 
 @dataclass(frozen=True)
+class DriftStd:
+    """How far an utterance may stray from its speaker: stds of the per-utterance drift."""
+
+    f0_st: float  # pitch, semitones
+    rate: float  # log speaking rate
+    tilt_db: float  # vocal-effort tilt, dB/octave
+    vtl: float  # log formant scale
+
+
+@dataclass(frozen=True)
 class Drift:
     """One utterance's departure from its speaker's habits (scaled draws, log or dB units)."""
 
@@ -421,14 +439,14 @@ class Drift:
     tilt_db: float  # vocal-effort tilt offset, dB/octave
 
     @staticmethod
-    def draw(rng: np.random.Generator, ch: _Channel) -> Drift:
-        """Scale 8 standard normals from `rng` by the level's drift stds (4 are spare)."""
+    def draw(rng: np.random.Generator, std: DriftStd) -> Drift:
+        """Scale 8 standard normals from `rng` by the drift stds (4 are spare)."""
         z = rng.standard_normal(8)
         return Drift(
-            log_rate=float(ch.drift_rate * z[0]),
-            log_vtl=float(ch.drift_vtl * z[1]),
-            f0_st=float(ch.drift_f0_st * z[2]),
-            tilt_db=float(ch.drift_tilt_db * z[3]),
+            log_rate=float(std.rate * z[0]),
+            log_vtl=float(std.vtl * z[1]),
+            f0_st=float(std.f0_st * z[2]),
+            tilt_db=float(std.tilt_db * z[3]),
         )
 
 
@@ -769,7 +787,8 @@ def synthesize_utterance(
     ch = _DIFFICULTY[cfg.difficulty]
     fs = float(cfg.sample_rate)
     content = _rng(cfg.seed, split, speaker_index, utt_index, _P_CONTENT)
-    drift = Drift.draw(_rng(cfg.seed, split, speaker_index, utt_index, _P_DRIFT), ch)
+    std = DriftStd(ch.drift_f0_st, ch.drift_rate, ch.drift_tilt_db, ch.drift_vtl)
+    drift = Drift.draw(_rng(cfg.seed, split, speaker_index, utt_index, _P_DRIFT), std)
     source = _rng(cfg.seed, split, speaker_index, utt_index, _P_SOURCE)
     chan = _rng(cfg.seed, split, speaker_index, utt_index, _P_CHANNEL)
 
@@ -1004,6 +1023,7 @@ __all__ = [
     "GENERATOR_VERSION",
     "Difficulty",
     "Drift",
+    "DriftStd",
     "Prosody",
     "SpeakerParams",
     "SyntheticConfig",
@@ -1012,6 +1032,7 @@ __all__ = [
     "band_gain",
     "coloured_noise",
     "corpus_dir",
+    "draw_voice",
     "ensure_corpus",
     "eq_db",
     "generate_corpus",
