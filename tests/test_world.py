@@ -304,3 +304,27 @@ def test_bad_index_and_part_are_config_errors():
         world_speaker(TINY, "devices", -1)
     with pytest.raises(ConfigError, match="part"):
         device(TINY, "public", 0)
+
+
+def test_world_command_prints_the_cached_dirs(tmp_path: Path):
+    from typer.testing import CliRunner
+
+    from fedvox.cli import app
+
+    args = ["world", "--public-speakers", "1", "--train-devices", "1", "--test-devices", "4"]
+    args += ["--cache-dir", str(tmp_path), "--workers", "1", "-q"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    printed = dict(line.split() for line in res.output.splitlines())
+    want = world_dirs(
+        WorldConfig(public_speakers=1, train_devices=1, test_devices=4), tmp_path / "corpora"
+    )
+    assert printed == {
+        "public": str(want.public),
+        "devices": str(want.devices),
+        "test": str(want.test),
+        "trials": str(want.trials),
+    }
+    assert want.trials.is_file() and (want.devices / "utt2devmodel").is_file()
+    bad = CliRunner().invoke(app, ["world", "--train-devices", "0", "--cache-dir", str(tmp_path)])
+    assert isinstance(bad.exception, ConfigError) and "train_devices" in str(bad.exception)
