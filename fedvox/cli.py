@@ -432,6 +432,59 @@ def reconeval(
 
 
 @app.command()
+def world(
+    seed: Annotated[int, typer.Option(help="World seed: same seed and settings, same bits.")] = 0,
+    public_speakers: Annotated[
+        int, typer.Option(help="Labelled speakers of the public/server domain (studio).")
+    ] = 300,
+    train_devices: Annotated[int, typer.Option(help="One-speaker training devices.")] = 2000,
+    test_devices: Annotated[
+        int, typer.Option(help="Held-out devices: the test speakers of the trial list.")
+    ] = 200,
+    cache_dir: Annotated[
+        Path, typer.Option(help="Cache root (as data.cache_dir); parts go under corpora/.")
+    ] = Path(".cache/fedvox"),
+    workers: Annotated[int, typer.Option(help="Generation processes (bytes do not depend).")] = 2,
+    quiet: QuietOpt = False,
+) -> None:
+    """Generate (or find cached) the two-domain world and print its data dirs and trial list.
+
+    The public domain is what a server holds: labelled speakers, studio channel, many long
+    utterances. The device domain is what phones, earbuds and smart speakers hold: one speaker
+    each, another accent and a conversational style, 4-40 short recordings, and a persistent
+    channel (a device model from a catalogue plus the owner's rooms). Held-out devices are
+    the test speakers; their nontarget trials include pairs of one device model.
+
+    Each part is cached on its own, keyed by its settings. Use the printed paths with any
+    experiment, e.g. the server-only reference line:
+
+      fedvox train configs/x.toml --set data.train=PUBLIC --set data.test=TEST
+      --set data.trials=TRIALS
+
+    and data.train=DEVICES for the pooled-device oracle. Domains beyond these counts (accent,
+    style, catalogue severity) are set in Python: fedvox.data.world.WorldConfig.
+    See docs/synthetic.md, "Two-domain world".
+    """
+    from fedvox.data.world import WorldConfig, ensure_world
+
+    cfg = WorldConfig(
+        seed=seed,
+        public_speakers=public_speakers,
+        train_devices=train_devices,
+        test_devices=test_devices,
+    )
+    if workers < 1:
+        from fedvox.errors import ConfigError
+
+        raise ConfigError("--workers", f"got {workers}", "use 1 or more")
+    paths = ensure_world(cfg, Path(cache_dir) / "corpora", workers=workers, progress=not quiet)
+    print(f"public   {paths.public}")
+    print(f"devices  {paths.devices}")
+    print(f"test     {paths.test}")
+    print(f"trials   {paths.trials}")
+
+
+@app.command()
 def config(
     out_path: Annotated[
         Path | None, typer.Option("--out", help="Write to a file instead of printing.")

@@ -228,8 +228,16 @@ def sample_speaker(seed: int, split: str, speaker_index: int) -> SpeakerParams:
     _check_split(split)
     if speaker_index < 0:
         raise ConfigError("speaker_index", f"got {speaker_index}", "use an index >= 0")
-    rng = _rng(seed, split, speaker_index, 0, _P_SPEAKER)
-    female = bool(rng.random() < 0.5)
+    return draw_voice(
+        _rng(seed, split, speaker_index, 0, _P_SPEAKER), _speaker_id(split, speaker_index)
+    )
+
+
+def draw_voice(
+    rng: np.random.Generator, speaker_id: str, female_prob: float = 0.5
+) -> SpeakerParams:
+    """One voice from the population prior, drawn from `rng` (the prior shared by every world)."""
+    female = bool(rng.random() < female_prob)
     vtl = float(np.exp(rng.normal(np.log(1.16) if female else 0.0, 0.055)))
     # Formant idiosyncrasies: a speaker-wide offset per formant (larger for F4/F5, which
     # depend on the larynx cavity more than on the vowel) plus one per (phone, formant).
@@ -238,7 +246,7 @@ def sample_speaker(seed: int, split: str, speaker_index: int) -> SpeakerParams:
     offsets = global_off[None, :] + per_phone
     f0 = float((210.0 if female else 120.0) * np.exp(rng.normal(0.0, 0.15)))
     return SpeakerParams(
-        speaker_id=_speaker_id(split, speaker_index),
+        speaker_id=speaker_id,
         sex="female" if female else "male",
         vtl_scale=vtl,
         formant_offsets=tuple(tuple(float(v) for v in row) for row in offsets),
@@ -397,64 +405,139 @@ def _resonance_power(
     return out
 
 
-def synthesize_utterance(
-    cfg: SyntheticConfig, split: str, speaker_index: int, utt_index: int
-) -> np.ndarray:
-    """One utterance of one speaker as float32 mono in [-1, 1] at cfg.sample_rate."""
-    _check_split(split)
-    if utt_index < 0:
-        raise ConfigError("utt_index", f"got {utt_index}", "use an index >= 0")
-    spk = sample_speaker(cfg.seed, split, speaker_index)
-    ch = _DIFFICULTY[cfg.difficulty]
-    fs = float(cfg.sample_rate)
-    content = _rng(cfg.seed, split, speaker_index, utt_index, _P_CONTENT)
-    drift = _rng(cfg.seed, split, speaker_index, utt_index, _P_DRIFT).standard_normal(8)
-    source = _rng(cfg.seed, split, speaker_index, utt_index, _P_SOURCE)
-    chan = _rng(cfg.seed, split, speaker_index, utt_index, _P_CHANNEL)
+@dataclass(frozen=True)
+class Prosody:
+    """How pitch moves over an utterance beyond the speaker's range: a domain's style knob."""
 
-    n = round(content.uniform(cfg.min_duration_s, cfg.max_duration_s) * fs)
+    declination_st: tuple[float, float] = (1.0, 4.0)  # F0 fall over the utterance, semitones
+    accents_per_s: tuple[float, float] = (0.5, 1.2)  # pitch accents per second of speech
+    accent_height: tuple[float, float] = (0.3, 1.0)  # x the speaker's f0_range_st
+    accent_width_s: tuple[float, float] = (0.06, 0.15)  # std of an accent's Gaussian bump
+    wander_st: float = 2.0  # std of the slow F0 wander (before smoothing)
+
+
+_PROSODY = Prosody()
+
+
+@dataclass(frozen=True)
+class DriftStd:
+    """How far an utterance may stray from its speaker: stds of the per-utterance drift."""
+
+    f0_st: float  # pitch, semitones
+    rate: float  # log speaking rate
+    tilt_db: float  # vocal-effort tilt, dB/octave
+    vtl: float  # log formant scale
+
+
+@dataclass(frozen=True)
+class Drift:
+    """One utterance's departure from its speaker's habits (scaled draws, log or dB units)."""
+
+    log_rate: float  # log speaking-rate factor
+    log_vtl: float  # log formant-scale factor
+    f0_st: float  # pitch offset, semitones
+    tilt_db: float  # vocal-effort tilt offset, dB/octave
+
+    @staticmethod
+    def draw(rng: np.random.Generator, std: DriftStd) -> Drift:
+        """Scale 8 standard normals from `rng` by the drift stds (4 are spare)."""
+        z = rng.standard_normal(8)
+        return Drift(
+            log_rate=float(std.rate * z[0]),
+            log_vtl=float(std.vtl * z[1]),
+            f0_st=float(std.f0_st * z[2]),
+            tilt_db=float(std.tilt_db * z[3]),
+        )
+
+
+@dataclass(frozen=True)
+class _Tracks:
+    """Frame-rate (8 ms) control tracks of one utterance: what the source and tract follow."""
+
+    n: int  # samples
+    t_frames: np.ndarray  # frame times, s
+    phone: np.ndarray  # phone index per frame
+    stress: np.ndarray  # unsmoothed voicing amplitude (1.0 marks a stressed vowel)
+    formants: np.ndarray  # (frames, 5) Hz
+    bws: np.ndarray  # (frames, 5) Hz
+    voice: np.ndarray
+    asp: np.ndarray
+    fric: np.ndarray
+    fric_c: np.ndarray
+    fric_b: np.ndarray
+    nasal: np.ndarray
+    vtl: float  # the utterance's formant scale (speaker x drift)
+
+
+def _articulation(
+    spk: SpeakerParams, drift: Drift, content: np.random.Generator, n: int, fs: float
+) -> _Tracks:
+    """Spoken content (a syllable sequence) turned into formant and amplitude tracks."""
     n_frames = n // _HOP + 1  # scipy's frame count for this length (boundary + padding)
-    rate = spk.speaking_rate * float(np.exp(ch.drift_rate * drift[0]))
+    rate = spk.speaking_rate * float(np.exp(drift.log_rate))
     segs = _segments(content, n_frames, rate)
     reps = segs[:, 0].astype(np.int64)
     phone = np.repeat(segs[:, 1].astype(np.int64), reps)[:n_frames]
 
     # Formant tracks: speaker-scaled targets, smoothed (coarticulation).
-    vtl = spk.vtl_scale * float(np.exp(ch.drift_vtl * drift[1]))
+    vtl = spk.vtl_scale * float(np.exp(drift.log_vtl))
     targets = _BASE_FORMANTS * np.exp(np.asarray(spk.formant_offsets)) * vtl
     sigma = spk.coarticulation_ms / (1000.0 * _HOP / fs)
     formants = _smooth(targets[phone], sigma)
     formants = np.minimum(formants, 0.95 * fs / 2 - np.arange(5, 0, -1) * 150.0)
     bws = _BASE_BANDWIDTHS * spk.bandwidth_scale * (1.0 + 0.4 * spk.breathiness)
-    bws = np.broadcast_to(bws, formants.shape)
 
     # Amplitude tracks, lightly smoothed so onsets are ramps, not clicks.
     cols = np.repeat(segs[:, 2:], reps, axis=0)[:n_frames]
-    voice = _smooth(cols[:, 0], 1.0)
-    asp = _smooth(cols[:, 1], 1.0)
-    fric = _smooth(cols[:, 2], 0.7)
-    fric_c = cols[:, 3] * spk.fricative_scale * (vtl / spk.vtl_scale)
-    fric_b = cols[:, 4] * spk.fricative_scale
-    nasal = _smooth(cols[:, 5], sigma * 0.5)
+    return _Tracks(
+        n=n,
+        t_frames=np.arange(n_frames) * _HOP / fs,
+        phone=phone,
+        stress=cols[:, 0],
+        formants=formants,
+        bws=np.broadcast_to(bws, formants.shape),
+        voice=_smooth(cols[:, 0], 1.0),
+        asp=_smooth(cols[:, 1], 1.0),
+        fric=_smooth(cols[:, 2], 0.7),
+        fric_c=cols[:, 3] * spk.fricative_scale * (vtl / spk.vtl_scale),
+        fric_b=cols[:, 4] * spk.fricative_scale,
+        nasal=_smooth(cols[:, 5], sigma * 0.5),
+        vtl=vtl,
+    )
 
-    # F0 contour (semitones re the speaker mean): drift, declination, accents, wander.
-    t_frames = np.arange(n_frames) * _HOP / fs
-    dur = n / fs
-    st = ch.drift_f0_st * drift[2] - content.uniform(1.0, 4.0) * t_frames / dur
-    vowel_frames = np.flatnonzero(np.isin(phone, _VOWELS) & (cols[:, 0] >= 1.0))
-    n_acc = max(1, round(dur * content.uniform(0.5, 1.2)))
+
+def _f0_contour(
+    spk: SpeakerParams,
+    drift: Drift,
+    prosody: Prosody,
+    content: np.random.Generator,
+    tr: _Tracks,
+    fs: float,
+) -> np.ndarray:
+    """F0 per frame (Hz): drift, declination, pitch accents on stressed vowels, slow wander."""
+    t_frames = tr.t_frames
+    dur = tr.n / fs
+    st = drift.f0_st - content.uniform(*prosody.declination_st) * t_frames / dur
+    vowel_frames = np.flatnonzero(np.isin(tr.phone, _VOWELS) & (tr.stress >= 1.0))
+    n_acc = max(1, round(dur * content.uniform(*prosody.accents_per_s)))
     if vowel_frames.size:
         centres = content.choice(vowel_frames, size=n_acc) * _HOP / fs
-        heights = content.uniform(0.3, 1.0, size=n_acc) * spk.f0_range_st
-        widths = content.uniform(0.06, 0.15, size=n_acc)
+        heights = content.uniform(*prosody.accent_height, size=n_acc) * spk.f0_range_st
+        widths = content.uniform(*prosody.accent_width_s, size=n_acc)
         bumps = heights * np.exp(-0.5 * ((t_frames[:, None] - centres) / widths) ** 2)
         st = st + bumps.max(axis=1)
-    st = st + _smooth(content.normal(0.0, 2.0, n_frames), 20.0)
-    f0_frames = spk.f0_mean_hz * 2.0 ** (st / 12.0)
+    st = st + _smooth(content.normal(0.0, prosody.wander_st, t_frames.size), 20.0)
+    return spk.f0_mean_hz * 2.0 ** (st / 12.0)
 
-    # Glottal source by phase accumulation; jitter and shimmer are drawn per period.
+
+def _glottal_source(
+    spk: SpeakerParams, tr: _Tracks, f0_frames: np.ndarray, source: np.random.Generator, fs: float
+) -> np.ndarray:
+    """Excitation: Rosenberg pulses by phase accumulation (per-period jitter and shimmer)
+    plus aspiration noise pulsed by the glottal opening and the h/aspiration segments."""
+    n = tr.n
     t_samp = np.arange(n) / fs
-    f0 = np.interp(t_samp, t_frames, f0_frames)
+    f0 = np.interp(t_samp, tr.t_frames, f0_frames)
     phase0 = np.cumsum(f0 / fs)
     n_per = int(phase0[-1]) + 2
     jit = np.clip(1.0 + spk.jitter * source.standard_normal(n_per), 0.8, 1.2)
@@ -470,105 +553,250 @@ def synthesize_utterance(
     shim = np.exp(spk.shimmer * source.standard_normal(int(period[-1]) + 2))
     pulses = np.diff(flow, prepend=0.0) * shim[period]
     pulses /= np.sqrt(np.mean(pulses**2)) + 1e-12
-    # Aspiration: turbulence pulsed by the glottal opening, plus h/aspiration segments.
     noise = source.standard_normal(n)
     breath = spk.breathiness * (0.3 + flow)
-    v_s = np.interp(t_samp, t_frames, voice)
-    a_s = np.interp(t_samp, t_frames, asp)
-    excitation = v_s * (pulses + breath * noise) + a_s * noise
+    v_s = np.interp(t_samp, tr.t_frames, tr.voice)
+    a_s = np.interp(t_samp, tr.t_frames, tr.asp)
+    return v_s * (pulses + breath * noise) + a_s * noise
 
-    # Vocal-tract filter in the STFT domain, one envelope per frame.
-    _, _, spec = stft(excitation, nperseg=_NFFT, noverlap=_NFFT - _HOP, window="hann")
-    m = min(spec.shape[1], n_frames)
-    spec = spec[:, :m]
-    freqs = np.fft.rfftfreq(_NFFT, 1.0 / fs)
-    w = 2 * np.pi * freqs / fs
-    cos_w, sin_w = np.cos(w).astype(np.float32), np.sin(w).astype(np.float32)
-    env = _resonance_power(cos_w, sin_w, formants[:m], bws[:m], fs)
-    nas_rows = np.flatnonzero(nasal[:m] > 1e-3)
-    if nas_rows.size:
-        # Nasal murmur: an extra low pole and a speaker-scaled antiresonance, blended in log
-        # magnitude by the (coarticulated) nasal weight.
-        zero_hz = np.array([_NASAL_ZERO.get(int(p), 1500.0) for p in phone[:m][nas_rows]])
-        zf = np.stack([zero_hz * spk.nasal_zero_scale * vtl, np.full(zero_hz.shape, 250.0)], 1)
-        zb = np.stack([np.full(zero_hz.shape, 150.0), np.full(zero_hz.shape, 100.0)], 1)
-        zero = 1.0 / _resonance_power(cos_w, sin_w, zf[:, :1], zb[:, :1], fs)
-        pole = _resonance_power(cos_w, sin_w, zf[:, 1:], zb[:, 1:], fs)
-        env[nas_rows] *= (zero * pole * 0.3) ** nasal[:m][nas_rows, None]
-    tilt = spk.tilt_db_per_oct + ch.drift_tilt_db * drift[3]
+
+def _nasal_gain(
+    spk: SpeakerParams,
+    tr: _Tracks,
+    rows: np.ndarray,
+    cos_w: np.ndarray,
+    sin_w: np.ndarray,
+    fs: float,
+) -> np.ndarray:
+    """Power gain of nasal murmur on frames `rows`: an extra low pole and a speaker-scaled
+    antiresonance, blended in log magnitude by the (coarticulated) nasal weight."""
+    zero_hz = np.array([_NASAL_ZERO.get(int(p), 1500.0) for p in tr.phone[rows]])
+    zf = np.stack([zero_hz * spk.nasal_zero_scale * tr.vtl, np.full(zero_hz.shape, 250.0)], 1)
+    zb = np.stack([np.full(zero_hz.shape, 150.0), np.full(zero_hz.shape, 100.0)], 1)
+    zero = 1.0 / _resonance_power(cos_w, sin_w, zf[:, :1], zb[:, :1], fs)
+    pole = _resonance_power(cos_w, sin_w, zf[:, 1:], zb[:, 1:], fs)
+    return (zero * pole * 0.3) ** tr.nasal[rows, None]
+
+
+def _voice_quality_gain(
+    spk: SpeakerParams,
+    tilt: float,
+    freqs: np.ndarray,
+    cos_w: np.ndarray,
+    sin_w: np.ndarray,
+    fs: float,
+) -> np.ndarray:
+    """Static amplitude gain per bin: source tilt, timbre bumps, piriform antiresonance."""
     log2f = np.log2(np.maximum(freqs, 50.0))
     voice_db = tilt * np.maximum(log2f - np.log2(200.0), 0.0)
     for c, wd, g in spk.timbre:
         voice_db = voice_db + g * np.exp(-0.5 * ((log2f - np.log2(c)) / wd) ** 2)
     pz = np.array([[spk.piriform_zero_hz]])
     piriform = 1.0 / _resonance_power(cos_w, sin_w, pz, np.array([[300.0]]), fs)[0]
-    tilt_gain = 10.0 ** (voice_db / 20.0) * np.sqrt(piriform)
-    spec = spec * (np.sqrt(env) * tilt_gain).T
+    return 10.0 ** (voice_db / 20.0) * np.sqrt(piriform)
 
-    # Frication and bursts: shaped noise drawn directly in the STFT domain.
-    fr_rows = np.flatnonzero(fric[:m] > 1e-3)
-    if fr_rows.size:
-        centre = np.maximum.accumulate(np.where(fric_c[:m] > 0, np.arange(m), 0))
-        fc = fric_c[:m][centre][fr_rows, None]
-        fb = np.maximum(fric_b[:m][centre][fr_rows, None], 100.0)
-        shape = np.exp(-0.5 * ((freqs - fc) / fb) ** 2) + 0.03
-        z = source.standard_normal((fr_rows.size, freqs.size, 2)) @ np.array([1.0, 1j])
-        # 0.4: a white-noise STFT bin has std ~ 1/sqrt(sum(win)) relative to unit-rms noise.
-        spec[:, fr_rows] += (0.4 * z * shape * fric[:m][fr_rows, None]).T / np.sqrt(
-            np.sum(np.hanning(_NFFT))
-        )
 
-    # Channel, static over the session: random EQ bumps on a log-frequency axis, band limits.
-    logf = np.log2(np.maximum(freqs, 50.0))
-    n_eq = 4
-    eq_c = chan.uniform(np.log2(100.0), np.log2(7000.0), n_eq)
-    eq_g = chan.normal(0.0, ch.eq_db, n_eq)
-    eq_w = chan.uniform(0.4, 1.5, n_eq)
-    eq_db = (eq_g * np.exp(-0.5 * ((logf[:, None] - eq_c) / eq_w) ** 2)).sum(1)
-    hp = chan.uniform(*ch.highpass_hz)
-    lp = chan.uniform(*ch.lowpass_hz)
-    band = (
-        1.0 / np.sqrt(1.0 + (hp / np.maximum(freqs, 1.0)) ** 8) / np.sqrt(1.0 + (freqs / lp) ** 16)
+def _vocal_tract(
+    excitation: np.ndarray, spk: SpeakerParams, drift: Drift, tr: _Tracks, fs: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(STFT of the excitation filtered by the time-varying tract, bin frequencies in Hz).
+
+    One resonance envelope per 8 ms frame, applied in the STFT domain.
+    """
+    _, _, spec = stft(excitation, nperseg=_NFFT, noverlap=_NFFT - _HOP, window="hann")
+    m = min(spec.shape[1], tr.t_frames.size)
+    spec = spec[:, :m]
+    freqs = np.fft.rfftfreq(_NFFT, 1.0 / fs)
+    w = 2 * np.pi * freqs / fs
+    cos_w, sin_w = np.cos(w).astype(np.float32), np.sin(w).astype(np.float32)
+    env = _resonance_power(cos_w, sin_w, tr.formants[:m], tr.bws[:m], fs)
+    nas_rows = np.flatnonzero(tr.nasal[:m] > 1e-3)
+    if nas_rows.size:
+        env[nas_rows] *= _nasal_gain(spk, tr, nas_rows, cos_w, sin_w, fs)
+    tilt = spk.tilt_db_per_oct + drift.tilt_db
+    gain = _voice_quality_gain(spk, tilt, freqs, cos_w, sin_w, fs)
+    return spec * (np.sqrt(env) * gain).T, freqs
+
+
+def _frication(
+    spec: np.ndarray, tr: _Tracks, source: np.random.Generator, freqs: np.ndarray
+) -> None:
+    """Add frication and bursts to `spec` in place: shaped noise drawn in the STFT domain."""
+    m = spec.shape[1]
+    fric = tr.fric[:m]
+    fr_rows = np.flatnonzero(fric > 1e-3)
+    if not fr_rows.size:
+        return
+    fric_c, fric_b = tr.fric_c[:m], tr.fric_b[:m]
+    centre = np.maximum.accumulate(np.where(fric_c > 0, np.arange(m), 0))
+    fc = fric_c[centre][fr_rows, None]
+    fb = np.maximum(fric_b[centre][fr_rows, None], 100.0)
+    shape = np.exp(-0.5 * ((freqs - fc) / fb) ** 2) + 0.03
+    z = source.standard_normal((fr_rows.size, freqs.size, 2)) @ np.array([1.0, 1j])
+    # 0.4: a white-noise STFT bin has std ~ 1/sqrt(sum(win)) relative to unit-rms noise.
+    spec[:, fr_rows] += (0.4 * z * shape * fric[fr_rows, None]).T / np.sqrt(
+        np.sum(np.hanning(_NFFT))
     )
-    spec = spec * (10.0 ** (eq_db / 20.0) * band)[:, None]
+
+
+def voice_spectrogram(
+    spk: SpeakerParams,
+    drift: Drift,
+    prosody: Prosody,
+    content: np.random.Generator,
+    source: np.random.Generator,
+    n: int,
+    fs: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(STFT of n samples of speech before any channel, bin frequencies in Hz).
+
+    The channel-free half of synthesis; a channel multiplies the result per bin and
+    `inverse_stft` turns it into a waveform. `content` and `source` are consumed in order.
+    """
+    tr = _articulation(spk, drift, content, n, fs)
+    f0_frames = _f0_contour(spk, drift, prosody, content, tr, fs)
+    excitation = _glottal_source(spk, tr, f0_frames, source, fs)
+    spec, freqs = _vocal_tract(excitation, spk, drift, tr, fs)
+    _frication(spec, tr, source, freqs)
+    return spec, freqs
+
+
+def inverse_stft(spec: np.ndarray, n: int) -> np.ndarray:
+    """Waveform of exactly n samples from a `voice_spectrogram`-shaped STFT (overlap-add)."""
     _, y = istft(spec, nperseg=_NFFT, noverlap=_NFFT - _HOP, window="hann")
-    y = np.pad(y[:n], (0, max(0, n - y.size)))
+    return np.pad(y[:n], (0, max(0, n - y.size)))
 
-    # Reverberation: exponentially decaying noise tail with a direct path.
-    do_reverb = chan.random() < ch.reverb_prob
-    rt60 = chan.uniform(*ch.rt60_s)
-    drr_db = chan.uniform(0.0, 10.0)
-    if do_reverb:
-        lr = int(rt60 * fs)
-        tail = chan.standard_normal(lr) * np.exp(-6.9 * np.arange(lr) / (rt60 * fs))
-        tail[: int(0.002 * fs)] = 0.0
-        tail *= 10.0 ** (-drr_db / 20.0) / (np.sqrt(np.sum(tail**2)) + 1e-12)
-        tail[0] = 1.0
-        y = fftconvolve(y, tail)[:n]
 
-    # Coloured noise (power law 1/f^beta plus a random bump) at a random SNR.
-    snr = chan.uniform(*ch.snr_db)
-    beta = chan.uniform(0.5, 1.5)
-    bump_c, bump_w = chan.uniform(np.log2(200.0), np.log2(4000.0)), chan.uniform(0.3, 1.0)
-    bump_g = chan.uniform(0.0, 6.0)
-    level = chan.uniform(-ch.level_db, ch.level_db)
+# ---------------------------------------------------------------------------------------------
+# Channel building blocks (explicit parameters; a domain draws them its own way)
+# ---------------------------------------------------------------------------------------------
+
+
+def eq_db(
+    freqs: np.ndarray, centres_log2: np.ndarray, gains_db: np.ndarray, widths_oct: np.ndarray
+) -> np.ndarray:
+    """Equaliser curve in dB per bin: Gaussian bumps on a log2-frequency axis."""
+    logf = np.log2(np.maximum(freqs, 50.0))
+    return (gains_db * np.exp(-0.5 * ((logf[:, None] - centres_log2) / widths_oct) ** 2)).sum(1)
+
+
+def band_gain(freqs: np.ndarray, highpass_hz: float, lowpass_hz: float) -> np.ndarray:
+    """Amplitude gain per bin of a Butterworth-like high-pass (order 4) and low-pass (order 8)."""
+    return (
+        1.0
+        / np.sqrt(1.0 + (highpass_hz / np.maximum(freqs, 1.0)) ** 8)
+        / np.sqrt(1.0 + (freqs / lowpass_hz) ** 16)
+    )
+
+
+def reverb_tail(rng: np.random.Generator, rt60_s: float, drr_db: float, fs: float) -> np.ndarray:
+    """Room impulse response: a unit direct path then an exponentially decaying noise tail
+    (silent for 2 ms) whose energy sits drr_db below the direct path."""
+    lr = int(rt60_s * fs)
+    tail = rng.standard_normal(lr) * np.exp(-6.9 * np.arange(lr) / (rt60_s * fs))
+    tail[: int(0.002 * fs)] = 0.0
+    tail *= 10.0 ** (-drr_db / 20.0) / (np.sqrt(np.sum(tail**2)) + 1e-12)
+    tail[0] = 1.0
+    return tail
+
+
+def coloured_noise(
+    rng: np.random.Generator,
+    n: int,
+    beta: float,
+    bump: tuple[float, float, float],
+    fs: float,
+) -> np.ndarray:
+    """n samples of 1/f^beta noise with a Gaussian spectral bump (log2 centre, width oct,
+    gain dB), unscaled."""
+    bump_c, bump_w, bump_g = bump
     n_fast = next_fast_len(n, real=True)  # a prime length would make the FFT crawl
     nf = np.fft.rfftfreq(n_fast, 1.0 / fs)
     lognf = np.log2(np.maximum(nf, 50.0))
     shape_n = np.maximum(nf, 50.0) ** (-beta / 2) * 10.0 ** (
         bump_g * np.exp(-0.5 * ((lognf - bump_c) / bump_w) ** 2) / 20.0
     )
-    nz = irfft(rfft(chan.standard_normal(n_fast)) * shape_n, n_fast)[:n]
-    p_speech = np.mean(y**2) + 1e-12
-    nz *= np.sqrt(p_speech / (np.mean(nz**2) + 1e-20) * 10.0 ** (-snr / 10.0))
-    y = y + nz
+    return irfft(rfft(rng.standard_normal(n_fast)) * shape_n, n_fast)[:n]
 
-    # Recording level: RMS at -26 dBFS +- level, peaks kept below full scale.
-    y *= 10.0 ** ((-26.0 + level) / 20.0) / np.sqrt(np.mean(y**2) + 1e-20)
+
+def add_at_snr(y: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
+    """y plus `noise` scaled so the speech-to-noise power ratio is snr_db."""
+    p_speech = np.mean(y**2) + 1e-12
+    noise = noise * np.sqrt(p_speech / (np.mean(noise**2) + 1e-20) * 10.0 ** (-snr_db / 10.0))
+    return y + noise
+
+
+def at_level(y: np.ndarray, level_db: float) -> np.ndarray:
+    """float32 recording with RMS at -26 dBFS + level_db, peaks kept below full scale."""
+    y = y * (10.0 ** ((-26.0 + level_db) / 20.0) / np.sqrt(np.mean(y**2) + 1e-20))
     peak = np.max(np.abs(y))
     if peak > 0.99:
         y *= 0.99 / peak
     return y.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The session channel of a difficulty level (one per utterance, from the channel stream)
+# ---------------------------------------------------------------------------------------------
+
+
+def _session_filter(chan: np.random.Generator, ch: _Channel, freqs: np.ndarray) -> np.ndarray:
+    """Amplitude gain per bin, static over the session: random EQ bumps and band limits."""
+    n_eq = 4
+    eq_c = chan.uniform(np.log2(100.0), np.log2(7000.0), n_eq)
+    eq_g = chan.normal(0.0, ch.eq_db, n_eq)
+    eq_w = chan.uniform(0.4, 1.5, n_eq)
+    hp = chan.uniform(*ch.highpass_hz)
+    lp = chan.uniform(*ch.lowpass_hz)
+    return 10.0 ** (eq_db(freqs, eq_c, eq_g, eq_w) / 20.0) * band_gain(freqs, hp, lp)
+
+
+def _session_reverb(
+    y: np.ndarray, chan: np.random.Generator, ch: _Channel, fs: float
+) -> np.ndarray:
+    """Reverberate with probability ch.reverb_prob (the draws happen either way)."""
+    do_reverb = chan.random() < ch.reverb_prob
+    rt60 = chan.uniform(*ch.rt60_s)
+    drr_db = chan.uniform(0.0, 10.0)
+    if not do_reverb:
+        return y
+    return fftconvolve(y, reverb_tail(chan, rt60, drr_db, fs))[: y.size]
+
+
+def _session_noise_and_level(
+    y: np.ndarray, chan: np.random.Generator, ch: _Channel, fs: float
+) -> np.ndarray:
+    """Coloured noise at a random SNR, then a random recording level (float32 result)."""
+    snr = chan.uniform(*ch.snr_db)
+    beta = chan.uniform(0.5, 1.5)
+    bump_c, bump_w = chan.uniform(np.log2(200.0), np.log2(4000.0)), chan.uniform(0.3, 1.0)
+    bump_g = chan.uniform(0.0, 6.0)
+    level = chan.uniform(-ch.level_db, ch.level_db)
+    nz = coloured_noise(chan, y.size, beta, (bump_c, bump_w, bump_g), fs)
+    return at_level(add_at_snr(y, nz, snr), level)
+
+
+def synthesize_utterance(
+    cfg: SyntheticConfig, split: str, speaker_index: int, utt_index: int
+) -> np.ndarray:
+    """One utterance of one speaker as float32 mono in [-1, 1] at cfg.sample_rate."""
+    _check_split(split)
+    if utt_index < 0:
+        raise ConfigError("utt_index", f"got {utt_index}", "use an index >= 0")
+    spk = sample_speaker(cfg.seed, split, speaker_index)
+    ch = _DIFFICULTY[cfg.difficulty]
+    fs = float(cfg.sample_rate)
+    content = _rng(cfg.seed, split, speaker_index, utt_index, _P_CONTENT)
+    std = DriftStd(ch.drift_f0_st, ch.drift_rate, ch.drift_tilt_db, ch.drift_vtl)
+    drift = Drift.draw(_rng(cfg.seed, split, speaker_index, utt_index, _P_DRIFT), std)
+    source = _rng(cfg.seed, split, speaker_index, utt_index, _P_SOURCE)
+    chan = _rng(cfg.seed, split, speaker_index, utt_index, _P_CHANNEL)
+
+    n = round(content.uniform(cfg.min_duration_s, cfg.max_duration_s) * fs)
+    spec, freqs = voice_spectrogram(spk, drift, _PROSODY, content, source, n, fs)
+    y = inverse_stft(spec * _session_filter(chan, ch, freqs)[:, None], n)
+    y = _session_reverb(y, chan, ch, fs)
+    return _session_noise_and_level(y, chan, ch, fs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -794,12 +1022,24 @@ def ensure_corpus(
 __all__ = [
     "GENERATOR_VERSION",
     "Difficulty",
+    "Drift",
+    "DriftStd",
+    "Prosody",
     "SpeakerParams",
     "SyntheticConfig",
+    "add_at_snr",
+    "at_level",
+    "band_gain",
+    "coloured_noise",
     "corpus_dir",
+    "draw_voice",
     "ensure_corpus",
+    "eq_db",
     "generate_corpus",
+    "inverse_stft",
     "make_trials",
+    "reverb_tail",
     "sample_speaker",
     "synthesize_utterance",
+    "voice_spectrogram",
 ]
