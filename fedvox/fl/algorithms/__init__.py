@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedvox.errors import ConfigError
-from fedvox.fl.algorithms.base import Algorithm, staleness_weight
+from fedvox.fl.algorithms.base import Algorithm, AlgorithmWrapper, staleness_weight
 from fedvox.fl.algorithms.fedasync import FedAsync
 from fedvox.fl.algorithms.fedavg import FedAvg
 from fedvox.fl.algorithms.fedbuff import FedBuff
@@ -32,6 +32,7 @@ def make_algorithm(name: str, **kwargs: Any) -> Algorithm:
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
+    "AlgorithmWrapper",
     "FedAsync",
     "FedAvg",
     "FedBuff",

@@ -90,6 +90,51 @@ class Algorithm:
         self.server_opt.load_state_dict(state["server_opt"])
 
 
+class AlgorithmWrapper(Algorithm):
+    """Another algorithm, then a server-side stage on the model it produced (as Flower wraps
+    strategies): weights, barrier, staleness, K and state are the inner algorithm's."""
+
+    def __init__(self, inner: Algorithm, suffix: str) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}+{suffix}"
+        self.barrier = inner.barrier
+        self.max_staleness = inner.max_staleness
+        self.server_opt = inner.server_opt
+
+    def updates_per_step(self, concurrency: int) -> int:
+        return self.inner.updates_per_step(concurrency)
+
+    def validate(self, concurrency: int) -> None:
+        self.inner.validate(concurrency)
+
+    def client_weights(self, num_examples: Tensor, staleness: Tensor) -> Tensor:
+        return self.inner.client_weights(num_examples, staleness)
+
+    def after_step(self, new: Params) -> Params:
+        """The wrapper's own stage on the inner algorithm's new parameters."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        params: Params,
+        total: Params,
+        weight: float,
+        count: int,
+        starts: Sequence[Params],
+        staleness: Tensor,
+    ) -> Params:
+        new = self.inner.apply(params, total, weight, count, starts, staleness)
+        if weight == 0:  # nothing was aggregated: the model stays as it was
+            return new
+        return self.after_step(new)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
 def check_max_staleness(value: int | None) -> None:
     if value is not None and (value < 0 or math.isnan(value)):
         raise ConfigError("algorithm.max_staleness", f"must be >= 0, got {value}", "or None")

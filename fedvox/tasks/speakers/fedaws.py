@@ -6,8 +6,7 @@ a wrapper that adds the server's spreadout to any fl Algorithm (FedAvg, FedBuff,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +14,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from fedvox.errors import ConfigError
-from fedvox.fl.algorithms.base import Algorithm
+from fedvox.fl.algorithms.base import Algorithm, AlgorithmWrapper
 from fedvox.tasks.speakers.common import embedding_dim, extractor_params
 from fedvox.types import Batch, Params
 
@@ -94,7 +93,7 @@ def spreadout(w: Tensor, nu: float, lr: float, steps: int) -> Tensor:
     return w
 
 
-class Spreadout(Algorithm):
+class Spreadout(AlgorithmWrapper):
     """Any algorithm, then `spread_steps` steps of spreadout on the class vectors `class_key`
     after each server step (FedAwS: the server alone sees every class, so it alone can push
     them apart). Weights, barrier, staleness and state are the inner algorithm's."""
@@ -113,44 +112,14 @@ class Spreadout(Algorithm):
             raise ConfigError("algorithm.spread_lr", f"must be > 0, got {spread_lr}")
         if spread_steps < 1:
             raise ConfigError("algorithm.spread_steps", f"must be >= 1, got {spread_steps}")
-        self.inner = inner
-        self.name = f"{inner.name}+spreadout"
-        self.barrier = inner.barrier
-        self.max_staleness = inner.max_staleness
-        self.server_opt = inner.server_opt
+        super().__init__(inner, "spreadout")
         self.nu, self.spread_lr, self.spread_steps = float(nu), float(spread_lr), spread_steps
         self.class_key = class_key
 
-    def updates_per_step(self, concurrency: int) -> int:
-        return self.inner.updates_per_step(concurrency)
-
-    def validate(self, concurrency: int) -> None:
-        self.inner.validate(concurrency)
-
-    def client_weights(self, num_examples: Tensor, staleness: Tensor) -> Tensor:
-        return self.inner.client_weights(num_examples, staleness)
-
-    def apply(
-        self,
-        params: Params,
-        total: Params,
-        weight: float,
-        count: int,
-        starts: Sequence[Params],
-        staleness: Tensor,
-    ) -> Params:
-        new = self.inner.apply(params, total, weight, count, starts, staleness)
-        if weight == 0:  # nothing was aggregated: the model stays as it was
-            return new
+    def after_step(self, new: Params) -> Params:
         if self.class_key not in new:
             raise ConfigError(
                 "algorithm.class_key", f"no parameter {self.class_key!r}", "use FedAwSTask"
             )
         w = spreadout(new[self.class_key], self.nu, self.spread_lr, self.spread_steps)
         return {**new, self.class_key: w}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)

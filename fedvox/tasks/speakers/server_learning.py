@@ -7,14 +7,13 @@ holds: the head is never among the broadcast parameters, so no device sees it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fedvox.errors import ConfigError
-from fedvox.fl.algorithms.base import Algorithm
+from fedvox.fl.algorithms.base import Algorithm, AlgorithmWrapper
 from fedvox.models.heads import AAMSoftmax
 from fedvox.rng import Purpose, derived_rng, torch_generator
 from fedvox.tasks.speakers.common import EXTRACTOR
@@ -25,7 +24,7 @@ from fedvox.types import Params
 HEAD = "head.weight"  # the server head's name inside its SpeakerTask
 
 
-class ServerLearning(Algorithm):
+class ServerLearning(AlgorithmWrapper):
     """Any algorithm, then `steps` SGD steps (lr, momentum) of the AAM speaker loss on random
     batches of `public` after each server step that aggregated something.
 
@@ -63,11 +62,7 @@ class ServerLearning(Algorithm):
                 f"{public.n_speakers} public speaker(s): a speaker loss needs at least 2",
                 "point data.public at a corpus with more speakers",
             )
-        self.inner = inner
-        self.name = f"{inner.name}+server_learning"
-        self.barrier = inner.barrier
-        self.max_staleness = inner.max_staleness
-        self.server_opt = inner.server_opt
+        super().__init__(inner, "server_learning")
         self.public = public
         self.steps, self.lr, self.momentum = steps, float(lr), float(momentum)
         self.batch_size = min(batch_size, len(public.x))
@@ -88,32 +83,12 @@ class ServerLearning(Algorithm):
         self.velocity: dict[str, Tensor] = {}
         self.taken = 0  # server-learning SGD steps so far (the batch stream's counter)
 
-    def updates_per_step(self, concurrency: int) -> int:
-        return self.inner.updates_per_step(concurrency)
-
-    def validate(self, concurrency: int) -> None:
-        self.inner.validate(concurrency)
-
-    def client_weights(self, num_examples: Tensor, staleness: Tensor) -> Tensor:
-        return self.inner.client_weights(num_examples, staleness)
-
     def batch(self, t: int) -> Tensor:
         """Store rows of server-learning step t (without replacement within the batch)."""
         rng = derived_rng(self.seed, Purpose.SERVER_LEARNING, t)
         return torch.from_numpy(rng.choice(len(self.public.x), self.batch_size, replace=False))
 
-    def apply(
-        self,
-        params: Params,
-        total: Params,
-        weight: float,
-        count: int,
-        starts: Sequence[Params],
-        staleness: Tensor,
-    ) -> Params:
-        new = self.inner.apply(params, total, weight, count, starts, staleness)
-        if weight == 0:  # nothing was aggregated: the model stays as it was
-            return new
+    def after_step(self, new: Params) -> Params:
         names = [n for n in new if n.startswith(EXTRACTOR)]
         if not names:
             raise ConfigError(
