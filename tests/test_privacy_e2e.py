@@ -74,6 +74,9 @@ def test_once_per_epoch_no_client_twice_in_a_tree(barrier: bool) -> None:
             assert key not in seen, f"client {r.client} twice in tree {epochs}"
             seen.add(key)
     assert epochs >= 3  # 12 clients, 5 at a time: many epochs in 30 steps
+    steps = [r for r in records if isinstance(r, ServerStepRecord)]
+    assert len(steps) == 30 and all(r.agg["clip_norm"] == 1.0 for r in steps)
+    assert all(ServerStepRecord.from_json(r.to_json()) == r for r in steps)  # as logged
     assert tree.restarts == epochs  # every epoch restarted the tree
     # without the constraint a client does repeat within such a window
     records.clear()
