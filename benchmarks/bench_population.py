@@ -43,6 +43,8 @@ from fedvox.fl import (
     Simulator,
     SimulatorConfig,
 )
+from fedvox.fl.simulator import SimRecord
+from fedvox.records import ServerStepRecord
 
 CLIENTS, PER_CLIENT, DIM, CLASSES = 100_000, 8, 32, 10
 CONCURRENCY, BUFFER, BATCH, LR = 1000, 100, 8, 0.1
@@ -76,11 +78,11 @@ def run(threads: int, trips: int) -> None:
     rate = matmul_rate()
     stamps, losses, trip_marks = [time.perf_counter()], [], []
 
-    def on_record(r: dict) -> None:
-        if r["kind"] == "server_step":
+    def on_record(r: SimRecord) -> None:
+        if isinstance(r, ServerStepRecord):
             stamps.append(time.perf_counter())
-            losses.append(r["loss"])
-            trip_marks.append((r["trips_completed"], stamps[-1]))
+            losses.append(r.loss)
+            trip_marks.append((r.trips, stamps[-1]))
 
     sim = Simulator(
         task,

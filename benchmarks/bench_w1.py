@@ -51,8 +51,10 @@ from fedvox.fl import (
     SimulatorConfig,
 )
 from fedvox.fl.local.steps import auto_chunk
+from fedvox.fl.simulator import SimRecord
 from fedvox.models import build_extractor
 from fedvox.models.heads import LinearHead
+from fedvox.records import ServerStepRecord
 
 CLIENTS, PER_CLIENT, COHORT, BATCH, LR = 1000, 32, 50, 16, 0.05
 FRAMES, FEAT, SPEAKERS, ROUNDS = 200, 30, 500, 6
@@ -141,10 +143,10 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
     rate = matmul_rate()
     stamps, losses = [time.perf_counter()], []
 
-    def on_record(r: dict) -> None:
-        if r["kind"] == "server_step":
+    def on_record(r: SimRecord) -> None:
+        if isinstance(r, ServerStepRecord):
             stamps.append(time.perf_counter())
-            losses.append(r["loss"])
+            losses.append(r.loss)
 
     sim = Simulator(
         task,

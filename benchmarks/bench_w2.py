@@ -44,6 +44,8 @@ from fedvox.fl import (
     Simulator,
     SimulatorConfig,
 )
+from fedvox.fl.simulator import SimRecord
+from fedvox.records import ServerStepRecord
 
 CLIENTS, PER_CLIENT, COHORT, BATCH, LR, CLASSES, DIM = 1000, 50, 100, 10, 0.1, 10, 784
 ROUNDS = 6
@@ -73,10 +75,10 @@ def run(threads: int, vectorised: bool, chunk: int | None, lowrank: bool | None)
     rate = matmul_rate()
     stamps, losses = [time.perf_counter()], []
 
-    def on_record(r: dict) -> None:
-        if r["kind"] == "server_step":
+    def on_record(r: SimRecord) -> None:
+        if isinstance(r, ServerStepRecord):
             stamps.append(time.perf_counter())
-            losses.append(r["loss"])
+            losses.append(r.loss)
 
     client = ClientConfig(
         epochs=1,

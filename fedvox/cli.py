@@ -87,10 +87,10 @@ def _print_outcome(outcome) -> None:
     if outcome.curve:
         c = outcome.curve[0]
         t.add_row(
-            f"barely trained (step {c['step']})",
-            f"{100 * c['eer']:.2f}%",
-            f"{c['min_dcf_01']:.3f}",
-            f"{c['min_dcf_05']:.3f}",
+            f"barely trained (step {c.step})",
+            f"{100 * c.eer:.2f}%",
+            f"{c.min_dcf_01:.3f}",
+            f"{c.min_dcf_05:.3f}",
         )
     if outcome.baseline:
         b = outcome.baseline

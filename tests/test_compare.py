@@ -30,6 +30,7 @@ def write_run(
     lines = [json.dumps({"kind": "train", "step": 1, "loss": 3.2})]
     for step, trips, t, eer in evals:
         rec = {"kind": "eval", "step": step, "eer": eer, "min_dcf_01": 0.5, "min_dcf_05": 0.3}
+        rec |= {"eer_threshold": 0.7, "n_target": 10, "n_nontarget": 90}  # as quick_eval logs
         if federated:
             rec |= {"trips": trips, "virtual_time_s": t}
         lines.append(json.dumps(rec))

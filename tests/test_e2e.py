@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from fedvox.cli import app
 from fedvox.data.synthetic import SyntheticConfig, ensure_corpus
 from fedvox.errors import FedvoxError
+from fedvox.records import TrainRecord, read_run_log
 
 runner = CliRunner()
 
@@ -86,8 +87,7 @@ def test_train_writes_a_complete_run_folder(trained: Path) -> None:
     report = (trained / "report.md").read_text()
     assert "| system | EER |" in report and "det.png" in report
     assert "non-learned baseline" in report and "barely trained" in report
-    lines = [json.loads(x) for x in (trained / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in lines if r["kind"] == "train"]
+    losses = [r.loss for r in read_run_log(trained / "metrics.jsonl", (TrainRecord,))]
     assert losses[-1] < losses[0], "training loss must go down"
 
 

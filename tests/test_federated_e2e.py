@@ -15,6 +15,7 @@ from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
 from fedvox.cli import app
+from fedvox.records import EvalRecord, ServerStepRecord, TripRecord, read_run_log
 
 runner = CliRunner()
 
@@ -65,30 +66,27 @@ def test_federated_run_folder(tmp_path: Path, cache: Path, algorithm: str) -> No
     speakers = [{u.rsplit("-", 1)[0] for u in c} for c in clients]
     assert all(len(s) == 1 for s in speakers)
     assert not any(s.startswith("syn-test") for c in speakers for s in c)  # held out
-    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    server = [r for r in recs if r["kind"] == "server"]
-    evals = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in server] == list(range(1, 9))
-    assert [r["step"] for r in evals] == [4, 8]
-    assert all(
-        {"trips", "virtual_time_s", "bytes_up", "bytes_down", "eer"} <= set(r) for r in evals
-    )
-    times = [r["virtual_time_s"] for r in server]
+    server = read_run_log(run / "metrics.jsonl", (ServerStepRecord,))
+    evals = read_run_log(run / "metrics.jsonl", (EvalRecord,))
+    assert [r.step for r in server] == list(range(1, 9))
+    assert [r.step for r in evals] == [4, 8]
+    assert all(None not in (r.trips, r.virtual_time_s, r.bytes_up, r.bytes_down) for r in evals)
+    times = [r.virtual_time_s for r in server]
     assert times == sorted(times) and times[0] > 0
-    trips = [json.loads(x) for x in (run / "trips.jsonl").read_text().splitlines()]
-    assert sum(t["status"] == "aggregated" for t in trips) == sum(r["updates"] for r in server)
+    trips = read_run_log(run / "trips.jsonl", (TripRecord,))
+    assert sum(t.status == "aggregated" for t in trips) == sum(r.updates for r in server)
     # achieved concurrency: the cohort of a synchronous round, the trips in flight for async
-    assert all(r["concurrency"] == 4 for r in server)
+    assert all(r.concurrency == 4 for r in server)
     if algorithm == "fedbuff":
-        assert all(r["updates"] == 2 for r in server)
-        assert max(t.get("staleness", 0) for t in trips) > 0
+        assert all(r.updates == 2 for r in server)
+        assert max(t.staleness or 0 for t in trips) > 0
     report = (run / "report.md").read_text()
     assert report.count("| client trips |") == 1  # the learning-curve column
     assert "staleness.png" in report and (run / "staleness.png").stat().st_size > 1000
     hourly = (run / "hourly.csv").read_text().splitlines()
     head = hourly[0].split(",")
     rows = [dict(zip(head, line.split(","), strict=True)) for line in hourly[1:]]
-    assert sum(int(r["trips_aggregated"]) for r in rows) == sum(r["updates"] for r in server)
+    assert sum(int(r["trips_aggregated"]) for r in rows) == sum(r.updates for r in server)
     assert sum(int(r["server_steps"]) for r in rows) == len(server)
 
 
@@ -175,15 +173,14 @@ def test_local_speakers_and_fedaws_runs(
     cfg.write_text(text)
     res = runner.invoke(app, ["train", str(cfg), "--out", str(tmp_path / "r"), "-q"])
     assert res.exit_code == 0, res.output
-    recs = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [4] and 0 <= evals[0]["eer"] <= 1
-    trips = [json.loads(x) for x in (tmp_path / "r" / "trips.jsonl").read_text().splitlines()]
+    evals = read_run_log(tmp_path / "r" / "metrics.jsonl", (EvalRecord,))
+    assert [r.step for r in evals] == [4] and 0 <= evals[0].eer <= 1
+    trips = read_run_log(tmp_path / "r" / "trips.jsonl", (TripRecord,))
     if speakers == "local":
         # downloads carry the public negatives as well as the model; uploads only the model
-        assert all(t["bytes_down"] > t["bytes_up"] for t in trips if t["bytes_up"])
+        assert all(t.bytes_down > t.bytes_up for t in trips if t.bytes_up)
     else:
-        assert all(t["bytes_down"] == t["bytes_up"] for t in trips if t["bytes_up"])
+        assert all(t.bytes_down == t.bytes_up for t in trips if t.bytes_up)
 
 
 def test_codeword_rows_are_fixed_and_never_global() -> None:

@@ -18,6 +18,7 @@ from fedvox.fl import (
     staleness_weight,
     train_clients,
 )
+from fedvox.records import TripRecord
 
 
 def _sgd_step(task, params, batch, lr):
@@ -66,19 +67,19 @@ def test_fedbuff_k1_equals_hand_written_async() -> None:
         {"max_server_steps": 12},
     )
     trips = sorted(
-        (r for r in recs if r["kind"] == "trip" and r["status"] == "aggregated"),
-        key=lambda r: r["server_step"],
+        (r for r in recs if isinstance(r, TripRecord) and r.status == "aggregated"),
+        key=lambda r: r.server_step,
     )
-    assert max(r["staleness"] for r in trips) > 0  # otherwise the oracle proves little
+    assert max(r.staleness for r in trips) > 0  # otherwise the oracle proves little
     # sequential async: on every arrival w ← w − η_g·s(τ)·Δ, Δ trained from the start version
     history = {0: task.init_params()}
     w = history[0]
     for r in trips:
-        start = history[r["start_version"]]
-        res = train_clients(task, pop, [(r["client"], r["trip"])], [start], client)
-        s = float(staleness_weight(torch.tensor([r["staleness"]]), "sqrt")[0])
+        start = history[r.start_version]
+        res = train_clients(task, pop, [(r.client, r.trip)], [start], client)
+        s = float(staleness_weight(torch.tensor([r.staleness]), "sqrt")[0])
         w = {n: w[n] - 0.7 * s * res.delta[n][0] for n in w}
-        history[r["server_step"]] = w
+        history[r.server_step] = w
     assert _close(out, w)
 
 
@@ -124,10 +125,10 @@ def test_fedbuff_first_flush_is_fedavg_of_the_buffered_clients() -> None:
         },
         {"max_server_steps": 1},
     )
-    trips = [r for r in recs if r["kind"] == "trip" and r["status"] == "aggregated"]
-    assert len(trips) == 5 and all(r["start_version"] == 0 for r in trips)
+    trips = [r for r in recs if isinstance(r, TripRecord) and r.status == "aggregated"]
+    assert len(trips) == 5 and all(r.start_version == 0 for r in trips)
     p0 = task.init_params()
-    res = train_clients(task, pop, [(r["client"], r["trip"]) for r in trips], [p0] * 5, client)
+    res = train_clients(task, pop, [(r.client, r.trip) for r in trips], [p0] * 5, client)
     expect = {n: p0[n] - res.delta[n].mean(0) for n in p0}
     assert _close(out, expect, atol=1e-6)
 
@@ -149,12 +150,12 @@ def test_fedbuff_strictly_sequential_is_sgd_after_lr_rescaling() -> None:
         {"max_server_steps": 10},
     )
     trips = sorted(
-        (r for r in recs if r["kind"] == "trip" and r["status"] == "aggregated"),
-        key=lambda r: r["server_step"],
+        (r for r in recs if isinstance(r, TripRecord) and r.status == "aggregated"),
+        key=lambda r: r.server_step,
     )
-    assert len(trips) == 10 and all(r["staleness"] == 0 for r in trips)
+    assert len(trips) == 10 and all(r.staleness == 0 for r in trips)
     w = task.init_params()
     for r in trips:
-        batch = next(pop.client_batches(r["client"], r["trip"], batch_size=4))
+        batch = next(pop.client_batches(r.client, r.trip, batch_size=4))
         w = _sgd_step(task, w, batch, eta * eta_g)
     assert _close(out, w)

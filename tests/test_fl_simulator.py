@@ -21,6 +21,7 @@ from fedvox.fl import (
     SimulatorConfig,
     diurnal_availability,
 )
+from fedvox.records import ServerStepRecord, TripRecord
 
 
 def _equal(a, b) -> bool:
@@ -86,10 +87,10 @@ def test_max_staleness_drops_updates() -> None:
         callback=recs.append,
     )
     sim.run(max_server_steps=30)
-    trips = [r for r in recs if r["kind"] == "trip"]
-    stale = [r for r in trips if r["status"] == "stale"]
-    assert stale and all(r["staleness"] > 1 for r in stale)
-    assert all(r["staleness"] <= 1 for r in trips if r["status"] == "aggregated")
+    trips = [r for r in recs if isinstance(r, TripRecord)]
+    stale = [r for r in trips if r.status == "stale"]
+    assert stale and all(r.staleness > 1 for r in stale)
+    assert all(r.staleness <= 1 for r in trips if r.status == "aggregated")
     assert sim.counters["stale"] == len(stale)
 
 
@@ -98,11 +99,11 @@ def test_dropped_trips_never_return(kind: str) -> None:
     recs = []
     sim = _build(kind, dropout=0.4, callback=recs.append)
     sim.run(max_server_steps=10)
-    trips = [r for r in recs if r["kind"] == "trip"]
-    dropped = {r["trip_id"] for r in trips if r["status"] == "dropped_out"}
-    aggregated = {r["trip_id"] for r in trips if r["status"] == "aggregated"}
+    trips = [r for r in recs if isinstance(r, TripRecord)]
+    dropped = {r.trip_id for r in trips if r.status == "dropped_out"}
+    aggregated = {r.trip_id for r in trips if r.status == "aggregated"}
     assert dropped and not dropped & aggregated
-    assert all(r["bytes_up"] == 0 for r in trips if r["status"] == "dropped_out")
+    assert all(r.bytes_up == 0 for r in trips if r.status == "dropped_out")
     assert 0.2 < len(dropped) / (len(dropped) + len(aggregated)) < 0.6
 
 
@@ -110,17 +111,17 @@ def test_over_selection_keeps_the_first_c_to_finish() -> None:
     recs = []
     sim = _build("fedavg", over_selection=0.5, callback=recs.append)
     sim.run(max_server_steps=3)
-    trips = [r for r in recs if r["kind"] == "trip"]
+    trips = [r for r in recs if isinstance(r, TripRecord)]
     for step in (1, 2, 3):
-        kept = [r for r in trips if r.get("server_step") == step]
+        kept = [r for r in trips if r.server_step == step]
         assert len(kept) == 6
-    cancelled = [r for r in trips if r["status"] == "cancelled"]
+    cancelled = [r for r in trips if r.status == "cancelled"]
     assert len(cancelled) == 3 * 3  # ceil(6·1.5) − 6 per round
     # a cancelled trip of round r would have finished after every kept trip of round r
     for step in (1, 2, 3):
-        last_kept = max(r["time"] for r in trips if r.get("server_step") == step)
-        starts = {r["start_time"] for r in trips if r.get("server_step") == step}
-        assert all(r["time"] == last_kept for r in cancelled if r["start_time"] in starts)
+        last_kept = max(r.time for r in trips if r.server_step == step)
+        starts = {r.start_time for r in trips if r.server_step == step}
+        assert all(r.time == last_kept for r in cancelled if r.start_time in starts)
 
 
 def test_availability_hook_is_respected() -> None:
@@ -136,31 +137,32 @@ def test_availability_hook_is_respected() -> None:
         callback=recs.append,
     )
     sim.run(max_server_steps=15)
-    trips = [r for r in recs if r["kind"] == "trip"]
+    trips = [r for r in recs if isinstance(r, TripRecord)]
     assert len(trips) >= 30
-    assert all(avail(r["client"], r["start_time"]) for r in trips)
+    assert all(avail(r.client, r.start_time) for r in trips)
 
 
 def test_metrics_records_and_memory_bounded_by_concurrency() -> None:
-    recs, n_versions = [], []
+    recs, n_versions, started = [], [], []
     sim = None
 
     def cb(r):
         recs.append(r)
         n_versions.append(len(sim.versions))
+        started.append(sim.counters["trips_started"])
 
     sim = _build("fedbuff", callback=cb)
     sim.run(max_server_steps=20)
-    steps = [r for r in recs if r["kind"] == "server_step"]
-    assert [r["server_step"] for r in steps] == list(range(1, 21))
+    steps = [r for r in recs if isinstance(r, ServerStepRecord)]
+    assert [r.step for r in steps] == list(range(1, 21))
     numel = sum(t.numel() for t in sim.params.values())
-    trips = [r for r in recs if r["kind"] == "trip"]
-    assert all(r["bytes_down"] == 4 * numel for r in trips)
-    assert steps[-1]["bytes_down"] == 4 * numel * steps[-1]["trips_started"]
-    assert all(r["updates"] == 3 and len(r["staleness"]) == 3 for r in steps)
-    assert all(0 < r["concurrency"] <= 6 for r in steps)
-    assert steps[-1]["concurrency"] == 6  # C trips under way once the clock is running
-    assert all(r["time"] >= q["time"] for q, r in itertools.pairwise(steps))
+    trips = [r for r in recs if isinstance(r, TripRecord)]
+    assert all(r.bytes_down == 4 * numel for r in trips)
+    assert steps[-1].bytes_down == 4 * numel * started[recs.index(steps[-1])]
+    assert all(r.updates == 3 and len(r.staleness) == 3 for r in steps)
+    assert all(0 < r.concurrency <= 6 for r in steps)
+    assert steps[-1].concurrency == 6  # C trips under way once the clock is running
+    assert all(r.virtual_time_s >= q.virtual_time_s for q, r in itertools.pairwise(steps))
     assert max(n_versions) <= 6 + 3 + 1  # in flight + buffered + current
 
 
@@ -176,5 +178,5 @@ def test_training_reduces_loss() -> None:
         callback=recs.append,
     )
     sim.run(max_server_steps=15)
-    losses = [r["loss"] for r in recs if r["kind"] == "server_step"]
+    losses = [r.loss for r in recs if isinstance(r, ServerStepRecord)]
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3])

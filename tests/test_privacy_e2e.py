@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +24,11 @@ from fedvox.fl import (
     Simulator,
     SimulatorConfig,
 )
+from fedvox.fl.simulator import SimRecord
 from fedvox.privacy.dp import FixedClip
 from fedvox.privacy.secagg import SecAggConfig, SecureSum
 from fedvox.privacy.tree import TreeNoise
+from fedvox.records import EpochRecord, EvalRecord, ServerStepRecord, TripRecord, read_run_log
 
 runner = CliRunner()
 
@@ -48,7 +49,7 @@ def _toy(n_clients: int = 12, per_client: int = 6, seed: int = 0):
 @pytest.mark.parametrize("barrier", [False, True])
 def test_once_per_epoch_no_client_twice_in_a_tree(barrier: bool) -> None:
     task, pop = _toy()
-    records: list[dict] = []
+    records: list[SimRecord] = []
     tree = TreeNoise(0.1, seed=1)
     algo = FedAvg(ServerSGD(1.0), weighting="uniform") if barrier else FedBuff(2, ServerSGD(1.0))
     sim = Simulator(
@@ -65,13 +66,17 @@ def test_once_per_epoch_no_client_twice_in_a_tree(barrier: bool) -> None:
     epochs = 0
     seen: set[tuple[int, int]] = set()
     for r in records:
-        if r["kind"] == "epoch":
+        if isinstance(r, EpochRecord):
             epochs += 1
-        elif r["kind"] == "trip" and r["status"] == "aggregated":
-            key = (epochs, r["client"])
-            assert key not in seen, f"client {r['client']} twice in tree {epochs}"
+            assert r.epoch == epochs
+        elif isinstance(r, TripRecord) and r.status == "aggregated":
+            key = (epochs, r.client)
+            assert key not in seen, f"client {r.client} twice in tree {epochs}"
             seen.add(key)
     assert epochs >= 3  # 12 clients, 5 at a time: many epochs in 30 steps
+    steps = [r for r in records if isinstance(r, ServerStepRecord)]
+    assert len(steps) == 30 and all(r.agg["clip_norm"] == 1.0 for r in steps)
+    assert all(ServerStepRecord.from_json(r.to_json()) == r for r in steps)  # as logged
     assert tree.restarts == epochs  # every epoch restarted the tree
     # without the constraint a client does repeat within such a window
     records.clear()
@@ -84,7 +89,7 @@ def test_once_per_epoch_no_client_twice_in_a_tree(barrier: bool) -> None:
         callback=records.append,
     )
     sim2.run(max_server_steps=30)
-    clients = [r["client"] for r in records if r["kind"] == "trip"][:12]
+    clients = [r.client for r in records if isinstance(r, TripRecord)][:12]
     assert len(set(clients)) < len(clients)
 
 
@@ -188,13 +193,13 @@ def test_dp_and_secagg_runs_end_to_end(
         ["train", str(_write(tmp_path, cache, algorithm, privacy, extra)), "--out", str(out), "-q"],
     )
     assert res.exit_code == 0, res.output
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in recs if r["kind"] == "eval"]
-    eps = [r["epsilon"] for r in evals]
+    evals = read_run_log(out / "metrics.jsonl", (EvalRecord,))
+    eps = [r.epsilon for r in evals]
     assert all(e is not None and e > 0 for e in eps)
     assert eps == sorted(eps)  # ε only grows as training goes
-    server = [r for r in recs if r["kind"] == "server"]
-    assert all(r["agg_clip_norm"] == 0.5 for r in server)
+    assert all(r.delta == 1e-3 for r in evals)
+    server = read_run_log(out / "metrics.jsonl", (ServerStepRecord,))
+    assert server and all(r.agg["clip_norm"] == 0.5 for r in server)
     report = (out / "report.md").read_text()
     assert "ε" in report
 

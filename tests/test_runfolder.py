@@ -8,6 +8,7 @@ import torch
 from fedvox.errors import FedvoxError
 from fedvox.experiment.config import ExperimentConfig
 from fedvox.experiment.runfolder import RunFolder
+from fedvox.records import TrainRecord
 
 
 def test_create_writes_config_and_manifest(tmp_path: Path) -> None:
@@ -28,13 +29,15 @@ def test_create_writes_config_and_manifest(tmp_path: Path) -> None:
 
 def test_metrics_log_ignores_torn_last_line(tmp_path: Path) -> None:
     run = RunFolder.create(tmp_path / "r", ExperimentConfig())
-    run.log_metrics({"step": 1, "loss": 2.0})
-    run.log_metrics({"step": 2, "loss": 1.5})
+    run.log_metrics(TrainRecord(step=1, loss=2.0, lr=0.1, margin=0.2, frames=200))
+    run.log_metrics(TrainRecord(step=2, loss=1.5, lr=0.1, margin=0.2, frames=300))
     with open(run.metrics_path, "a") as f:
-        f.write('{"step": 3, "lo')  # a crash mid-write
-    assert [r["step"] for r in run.read_metrics()] == [1, 2]
+        f.write('{"kind": "train", "step": 3, "lo')  # a crash mid-write
+    assert [r.step for r in run.read_metrics()] == [1, 2]
+    first = run.metrics_path.read_text().splitlines()[0]
     run.truncate_metrics(1)
-    assert [r["step"] for r in run.read_metrics()] == [1]
+    assert [r.step for r in run.read_metrics()] == [1]
+    assert run.metrics_path.read_text() == first + "\n"  # kept lines are kept as they were
 
 
 def test_corrupt_checkpoint_falls_back_with_warning(tmp_path: Path) -> None:

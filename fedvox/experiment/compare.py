@@ -5,14 +5,13 @@ Reads finished run folders' metrics.jsonl eval records; writes two plots and a m
 Target: when none is given, the target EER is the worst of the federated runs' best EERs
 (of all runs' when none is federated), so every compared run reaches it. Trips and hours to
 target are linearly interpolated between the two evaluations around the first crossing.
-Centralised runs (eval records without "trips"/"virtual_time_s") are listed with their final
+Centralised runs (eval records without trips/virtual_time_s) are listed with their final
 and best EER but left out of the plots and the to-target columns.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import math
 import shlex
 import tomllib
@@ -26,6 +25,7 @@ from matplotlib.figure import Figure
 
 from fedvox.atomic import atomic_write, atomic_write_text
 from fedvox.errors import DataError
+from fedvox.records import EvalRecord, read_run_log_lines
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.toml"
@@ -60,9 +60,10 @@ def _run_name(run: Path) -> str:
     return name if isinstance(name, str) and name else run.name
 
 
-def _number(rec: dict, key: str, path: Path, line: int) -> float:
-    v = rec.get(key)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+def _number(rec: EvalRecord, key: str, path: Path, line: int) -> float:
+    """A field the curve plots: present and finite, else DataError naming the line."""
+    v = getattr(rec, key)
+    if v is None or not math.isfinite(v):
         raise DataError(
             path, f"eval record has no finite number '{key}' (got {v!r})", "fix the line", line
         )
@@ -79,26 +80,13 @@ def load_curve(run: str | Path) -> RunCurve:
             "not a run folder (no metrics.jsonl)",
             "give folders that `fedvox train` wrote",
         )
-    lines = metrics.read_text().splitlines()
     rows: list[tuple[int, float, float, float]] = []
     fed_lines: list[int] = []
     cen_lines: list[int] = []
-    for i, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            rec = json.loads(text)
-        except json.JSONDecodeError:
-            if i == len(lines):  # a crash mid-append tears only the last line
-                continue
-            raise DataError(
-                metrics, "not a JSON line", "remove or repair the corrupted line", i
-            ) from None
-        if not isinstance(rec, dict) or rec.get("kind") != "eval":
-            continue
+    for i, rec in read_run_log_lines(metrics, (EvalRecord,)):
         eer = _number(rec, "eer", metrics, i)
-        step = int(_number(rec, "step", metrics, i)) if "step" in rec else len(rows)
-        if "trips" in rec or "virtual_time_s" in rec:
+        step = rec.step
+        if rec.trips is not None or rec.virtual_time_s is not None:
             trips = _number(rec, "trips", metrics, i)
             hours = _number(rec, "virtual_time_s", metrics, i) / 3600.0
             fed_lines.append(i)

@@ -26,11 +26,13 @@ from fedvox.experiment.config import (
 from fedvox.experiment.evaluate import quick_eval
 from fedvox.experiment.prepare import InitModel, PreparedData
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
-from fedvox.experiment.runfolder import RunFolder, append_jsonl, count_lines, truncate_lines
+from fedvox.experiment.runfolder import RunFolder, count_lines, truncate_lines
 from fedvox.fl import Algorithm, Population, Simulator
+from fedvox.fl.simulator import SimRecord
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.progress import task_progress
+from fedvox.records import EvalRecord, Record, ServerStepRecord, TripRecord, append_run_log
 from fedvox.rng import Purpose, derived_seed
 from fedvox.tasks.speakers import (
     FedAwSTask,
@@ -87,7 +89,7 @@ class FederatedSetup:
     simulator: Simulator
     partition: Partition
     privacy: PrivacyPipeline
-    records: list[dict] = field(default_factory=list)
+    records: list[SimRecord] = field(default_factory=list)
 
 
 def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
@@ -230,34 +232,27 @@ def _set_margin(task: nn.Module, margin: float) -> None:
         task.head.set_margin(margin)
 
 
-def _server_record(r: dict) -> dict:
-    keep = (
-        "server_step",
-        "time",
-        "updates",
-        "loss",
-        "staleness",
-        "concurrency",
-        "trips_completed",
-        "bytes_down",
-        "bytes_up",
-        "dropped_out",
-        "stale",
-        "cancelled",
-    )
-    out = {k: r[k] for k in keep if k in r}
-    out.update({k: v for k, v in r.items() if k.startswith("agg_")})
-    out["kind"] = "server"
-    out["step"] = r["server_step"]
-    out["trips"] = r["trips_completed"]
-    out["virtual_time_s"] = r["time"]
-    return out
-
-
-def _privacy_record(privacy: PrivacyPipeline, steps: int) -> dict:
+def _privacy_record(privacy: PrivacyPipeline, steps: int) -> dict[str, float | None]:
+    """The (ε, δ) an evaluation record carries after `steps` server steps (none without DP)."""
     if not privacy.dp:
         return {}
     return {"epsilon": privacy.epsilon(steps), "delta": privacy.delta}
+
+
+def _eval_record(
+    sim: Simulator, privacy: PrivacyPipeline, metrics: dict, last: ServerStepRecord | None
+) -> EvalRecord:
+    """The held-out `metrics` of the current model with the clock, trips and bytes so far."""
+    return EvalRecord(
+        step=sim.server_step,
+        trips=sim.counters["trips_completed"],
+        virtual_time_s=sim.time,
+        bytes_up=sim.counters["bytes_up"],
+        bytes_down=sim.counters["bytes_down"],
+        loss=None if last is None else last.loss,
+        **metrics,
+        **_privacy_record(privacy, sim.server_step),
+    )
 
 
 def run_federated(
@@ -265,7 +260,8 @@ def run_federated(
 ) -> nn.Module:
     """Train to cfg.federated.server_steps, evaluating and checkpointing on the way.
 
-    Logs go to metrics.jsonl (server steps, evaluations) and trips.jsonl (every client trip).
+    Logs go to metrics.jsonl (server steps, DP-FTRL epochs, evaluations) and trips.jsonl
+    (every client trip), as the simulator's typed records in the order they happened.
     A checkpoint holds the simulator's whole state and the log lines written so far, so a
     run killed at any moment resumes to the same bits and the same logs.
     """
@@ -301,27 +297,16 @@ def run_federated(
             sim.run(max_server_steps=nxt)
             if sim.server_step == step:  # nothing left to happen (e.g. everyone dropped out)
                 break
-            metrics = [_server_record(r) for r in setup.records if r["kind"] == "server_step"]
-            trips = [r for r in setup.records if r["kind"] == "trip"]
+            trips = [r for r in setup.records if isinstance(r, TripRecord)]
+            metrics: list[Record] = [r for r in setup.records if not isinstance(r, TripRecord)]
             setup.records.clear()
             if sim.server_step % f.eval_every == 0 or sim.server_step == f.server_steps:
                 task.load_params(sim.params)
                 m = quick_eval(task.extractor, cfg, data)
-                metrics.append(
-                    {
-                        "kind": "eval",
-                        "step": sim.server_step,
-                        "trips": sim.counters["trips_completed"],
-                        "virtual_time_s": sim.time,
-                        "bytes_up": sim.counters["bytes_up"],
-                        "bytes_down": sim.counters["bytes_down"],
-                        "loss": metrics[-1]["loss"] if metrics else None,
-                        **m,
-                        **_privacy_record(setup.privacy, sim.server_step),
-                    }
-                )
-            append_jsonl(run.metrics_path, metrics)
-            append_jsonl(trips_path, trips)
+                steps = [r for r in metrics if isinstance(r, ServerStepRecord)]
+                metrics.append(_eval_record(sim, setup.privacy, m, steps[-1] if steps else None))
+            append_run_log(run.metrics_path, metrics)
+            append_run_log(trips_path, trips)
             if sim.server_step % f.checkpoint_every == 0 or sim.server_step >= f.server_steps:
                 run.save_checkpoint(
                     sim.server_step,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections import Counter
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedvox.atomic import atomic_write, atomic_write_text
+from fedvox.records import ServerStepRecord, TripRecord, read_run_log
 
 HOURLY_FIELDS = (
     "hour",
@@ -33,46 +33,34 @@ HOURLY_FIELDS = (
 )
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Records of a JSON-lines log (an absent file has none)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def staleness_counts(trips: list[dict]) -> dict[int, int]:
+def staleness_counts(trips: list[TripRecord]) -> dict[int, int]:
     """How many aggregated updates had each staleness τ (server steps behind)."""
-    counts = Counter(int(t["staleness"]) for t in trips if t.get("status") == "aggregated")
+    counts = Counter(t.staleness for t in trips if t.status == "aggregated")
     return dict(sorted(counts.items()))
 
 
-def hourly_rollup(trips: list[dict], steps: list[dict]) -> list[dict]:
+def hourly_rollup(trips: list[TripRecord], steps: list[ServerStepRecord]) -> list[dict]:
     """One row per virtual hour: trips by outcome (at their end time), server steps, mean
     staleness of what was aggregated, mean achieved concurrency, megabytes up and down."""
     if not trips and not steps:
         return []
-    last = max([t["time"] for t in trips] + [s["virtual_time_s"] for s in steps])
+    last = max([t.time for t in trips] + [s.virtual_time_s for s in steps])
     hours = int(last // 3600) + 1
     rows = [{k: 0 for k in HOURLY_FIELDS} | {"hour": h} for h in range(hours)]
     stale_sum = np.zeros(hours)
     conc_sum = np.zeros(hours)
     for t in trips:
-        end = rows[int(t["time"] // 3600)]
-        rows[int(t["start_time"] // 3600)]["trips_started"] += 1
-        status = t["status"]
-        key = {"aggregated": "trips_aggregated", "dropped_out": "trips_dropped_out"}.get(
-            status, f"trips_{status}"
-        )
-        if key in end:
-            end[key] += 1
-        if status == "aggregated":
-            stale_sum[end["hour"]] += t.get("staleness", 0)
-        end["mb_up"] += t.get("bytes_up", 0) / 1e6
-        end["mb_down"] += t.get("bytes_down", 0) / 1e6
+        end = rows[int(t.time // 3600)]
+        rows[int(t.start_time // 3600)]["trips_started"] += 1
+        end[f"trips_{t.status}"] += 1  # every TRIP_STATUSES has its column
+        if t.status == "aggregated" and t.staleness is not None:
+            stale_sum[end["hour"]] += t.staleness
+        end["mb_up"] += t.bytes_up / 1e6
+        end["mb_down"] += t.bytes_down / 1e6
     for s in steps:
-        h = int(s["virtual_time_s"] // 3600)
+        h = int(s.virtual_time_s // 3600)
         rows[h]["server_steps"] += 1
-        conc_sum[h] += s.get("concurrency", 0)
+        conc_sum[h] += s.concurrency
     for h, row in enumerate(rows):
         row["mean_staleness"] = (
             round(stale_sum[h] / row["trips_aggregated"], 3) if row["trips_aggregated"] else None
@@ -103,8 +91,8 @@ def plot_staleness(counts: dict[int, int], path: Path, title: str) -> Path:
 
 def write_fed_stats(run_path: Path, title: str) -> dict | None:
     """staleness.png + hourly.csv for a federated run folder; None when it has no trips."""
-    trips = read_jsonl(run_path / "trips.jsonl")
-    steps = [r for r in read_jsonl(run_path / "metrics.jsonl") if r.get("kind") == "server"]
+    trips = read_run_log(run_path / "trips.jsonl", (TripRecord,))
+    steps = read_run_log(run_path / "metrics.jsonl", (ServerStepRecord,))
     if not trips:
         return None
     counts = staleness_counts(trips)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from fedvox.atomic import atomic_write_text
+from fedvox.records import EvalRecord
 
 
 def pct(x: float) -> str:
@@ -30,23 +31,24 @@ def results_table(rows: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def learning_curve_table(points: list[dict]) -> str:
+def learning_curve_table(points: list[EvalRecord]) -> str:
     """Markdown table of the evaluations made during training (federated runs add client
-    trips and virtual hours)."""
+    trips and virtual hours, DP runs ε)."""
     if not points:
         return ""
-    fed = "trips" in points[0]
-    dp = points[-1].get("epsilon") is not None
+    fed = points[0].trips is not None and points[0].virtual_time_s is not None
+    dp = points[-1].epsilon is not None
     head = "| step | train loss | cosine EER |" + (" client trips | virtual hours |" if fed else "")
     head += " ε |" if dp else ""
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for p in points:
-        loss = p.get("loss")
-        row = f"| {p['step']} | {'-' if loss is None else f'{loss:.3f}'} | {pct(p['eer'])} |"
+        loss = "-" if p.loss is None else f"{p.loss:.3f}"
+        row = f"| {p.step} | {loss} | {pct(p.eer)} |"
         if fed:
-            row += f" {p['trips']} | {p['virtual_time_s'] / 3600:.2f} |"
+            hours = "-" if p.virtual_time_s is None else f"{p.virtual_time_s / 3600:.2f}"
+            row += f" {p.trips} | {hours} |"
         if dp:
-            row += f" {p['epsilon']:.3g} |" if p.get("epsilon") is not None else " - |"
+            row += " - |" if p.epsilon is None else f" {p.epsilon:.3g} |"
         lines.append(row)
     return "\n".join(lines)
 
@@ -56,7 +58,7 @@ def write_report(
     title: str,
     manifest: dict,
     rows: list[tuple[str, dict]],
-    curve: list[dict],
+    curve: list[EvalRecord],
     det_png: str | None,
     notes: list[str] | None = None,
     extra: list[str] | None = None,

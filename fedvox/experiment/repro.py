@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from fedvox.atomic import atomic_write, atomic_write_text
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import ExperimentConfig, config_from_dict, set_dotted, strip_none
+from fedvox.records import EvalRecord, read_run_log
 
 RESULT = "metrics.json"
 
@@ -215,24 +216,21 @@ def run_arm(cfg: ExperimentConfig, folder: Path, progress: bool) -> Path:
     return folder
 
 
-def _evals(folder: Path) -> list[dict]:
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == "eval"]
-
-
 def _arm_row(arm: Arm, folder: Path) -> dict[str, Any]:
     result = json.loads((folder / RESULT).read_text())
     cosine = result["backends"]["cosine"]
-    evals = _evals(folder)
-    last = evals[-1] if evals else {}
-    trips = last.get("trips")
+    evals = read_run_log(folder / "metrics.jsonl", (EvalRecord,))
+    last = evals[-1] if evals else None
+    trips = None if last is None else last.trips
+    up = None if last is None else last.bytes_up
+    down = None if last is None else last.bytes_down
     row = {
         "arm": arm.name,
         "eer": cosine["eer"],
         "min_dcf_01": cosine["min_dcf_01"],
         "trips": trips,
-        "mb_up_per_trip": last["bytes_up"] / trips / 1e6 if trips else None,
-        "mb_down_per_trip": last["bytes_down"] / trips / 1e6 if trips else None,
+        "mb_up_per_trip": up / trips / 1e6 if trips and up is not None else None,
+        "mb_down_per_trip": down / trips / 1e6 if trips and down is not None else None,
         "server_sees": arm.server_sees,
         "epsilon": result.get("privacy", {}).get("epsilon"),
         "folder": str(folder),

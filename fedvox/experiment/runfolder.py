@@ -25,6 +25,20 @@ from fedvox.atomic import atomic_write, atomic_write_text, sha256_file
 from fedvox.errors import FedvoxError
 from fedvox.experiment.config import ExperimentConfig, dump_toml, load_config
 from fedvox.models.io import MODEL_FILE, load_model
+from fedvox.records import (
+    EpochRecord,
+    EvalRecord,
+    Record,
+    RunRecord,
+    ServerStepRecord,
+    TrainRecord,
+    append_run_log,
+    read_run_log,
+    read_run_log_lines,
+)
+
+# the record kinds metrics.jsonl holds (client trips go to their own log)
+METRICS_KINDS = (TrainRecord, EvalRecord, ServerStepRecord, EpochRecord)
 
 _PACKAGES = ("fedvox", "torch", "numpy", "scipy", "soundfile", "pydantic", "matplotlib")
 
@@ -85,16 +99,6 @@ def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(extra or {}),
     }
-
-
-def append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    """Append JSON lines, flushed and fsynced (a crash can tear only the last line)."""
-    if not records:
-        return
-    with open(path, "a") as f:
-        f.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def count_lines(path: Path) -> int:
@@ -183,28 +187,24 @@ class RunFolder:
         atomic_write_text(self.manifest_path, json.dumps(m, indent=2) + "\n")
 
     # --- metrics ----------------------------------------------------------------------
-    def log_metrics(self, record: dict[str, Any]) -> None:
-        """Append one JSON line; flushed and fsynced so a crash loses at most that line."""
-        append_jsonl(self.metrics_path, [record])
+    def log_metrics(self, record: Record) -> None:
+        """Append one record; flushed and fsynced so a crash loses at most that line."""
+        append_run_log(self.metrics_path, [record])
 
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """All complete metric lines (a torn last line from a crash is ignored)."""
-        if not self.metrics_path.exists():
-            return []
-        out = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+    def read_metrics(self) -> list[RunRecord]:
+        """Every record of metrics.jsonl, typed (a torn last line from a crash is skipped)."""
+        return read_run_log(self.metrics_path)
 
     def truncate_metrics(self, after_step: int) -> None:
-        """Drop metric lines past a checkpoint so a resumed run does not log them twice."""
-        keep = [r for r in self.read_metrics() if r.get("step", 0) <= after_step]
-        atomic_write_text(
-            self.metrics_path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in keep)
-        )
+        """Drop metric lines past a checkpoint so a resumed run does not log them twice.
+
+        The kept lines are kept byte for byte; a torn last line goes.
+        """
+        path = self.metrics_path
+        lines = path.read_text(errors="replace").splitlines() if path.is_file() else []
+        records = read_run_log_lines(path, METRICS_KINDS)
+        keep = [lines[i - 1] + "\n" for i, r in records if r.step <= after_step]
+        atomic_write_text(path, "".join(keep))
 
     # --- checkpoints ------------------------------------------------------------------
     def save_checkpoint(self, step: int, state: dict[str, Any], keep: int = 3) -> Path:

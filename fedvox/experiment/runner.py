@@ -30,6 +30,7 @@ from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.models.io import save_model, weights_hash
+from fedvox.records import EvalRecord, TrainRecord, read_run_log
 from fedvox.training.centralised import (
     CentralisedConfig,
     ModelConfig,
@@ -73,7 +74,7 @@ class RunOutcome:
     run: RunFolder
     result: EvalResult
     baseline: dict
-    curve: list[dict]
+    curve: list[EvalRecord]
     weights_sha256: str
     seconds: float
 
@@ -86,10 +87,10 @@ def _train_and_finish(
 
     def on_step(st: TrainState, rec: dict) -> None:
         if st.step % 10 == 0 or st.step == cfg.train.steps:
-            run.log_metrics({"kind": "train", **rec})
+            run.log_metrics(TrainRecord(**rec))
         if st.step in points:
             m = quick_eval(st.extractor, cfg, data)
-            run.log_metrics({"kind": "eval", "step": st.step, "loss": rec["loss"], **m})
+            run.log_metrics(EvalRecord(step=st.step, loss=rec["loss"], **m))
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             run.save_checkpoint(st.step, st.to_checkpoint())
 
@@ -127,14 +128,14 @@ def _evaluate_and_finish(
     return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
 
 
-def _privacy_note(cfg: ExperimentConfig, curve: list[dict]) -> tuple[str, dict] | None:
+def _privacy_note(cfg: ExperimentConfig, curve: list[EvalRecord]) -> tuple[str, dict] | None:
     """The privacy line of the report and its JSON, for federated runs with DP or SecAgg."""
     if cfg.federated is None:
         return None
     p = cfg.federated.privacy
     if p.mechanism == "none" and not p.secure_aggregation:
         return None
-    eps = next((r["epsilon"] for r in reversed(curve) if r.get("epsilon") is not None), None)
+    eps = next((r.epsilon for r in reversed(curve) if r.epsilon is not None), None)
     info = {
         "mechanism": p.mechanism,
         "noise_multiplier": p.noise_multiplier if p.mechanism != "none" else None,
@@ -177,7 +178,7 @@ def finish_run(
     summary = {"backends": result.summary(), "baseline_stats_cosine": baseline}
     whash = weights_hash(extractor)
     summary["weights_sha256"] = whash
-    curve = [r for r in run.read_metrics() if r.get("kind") == "eval"]
+    curve = read_run_log(run.metrics_path, (EvalRecord,))
     privacy_note = _privacy_note(cfg, curve)
     if privacy_note is not None:
         summary["privacy"] = privacy_note[1]
@@ -209,8 +210,8 @@ def finish_run(
         first = curve[0]
         rows.append(
             (
-                f"barely trained (step {first['step']} of {total_steps(cfg)}) + cosine",
-                first,
+                f"barely trained (step {first.step} of {total_steps(cfg)}) + cosine",
+                first.verification(),
             )
         )
     if baseline is not None:

@@ -132,12 +132,13 @@ class Aggregator:
         return total, weight, count
 
     def metrics(self) -> dict[str, float]:
-        """What the stages report about the last server step (e.g. clip norm, fraction clipped)."""
+        """What the stages report about the last server step (e.g. clip_norm,
+        fraction_clipped); a server-step record stores them as agg_<name>."""
         out: dict[str, float] = {}
         for stage in [*self.stages, self.summer, *self.noise]:
             last = getattr(stage, "last_metrics", None)
             if last is not None:
-                out.update({f"agg_{k}": v for k, v in last().items()})
+                out.update(last())
         return out
 
     def _stateful(self) -> list[Any]:

@@ -21,10 +21,12 @@ from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
 from fedvox.fl.local import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.population import Population
+from fedvox.records import EpochRecord, ServerStepRecord, TripRecord
 from fedvox.rng import Purpose, derived_rng
 from fedvox.types import Params
 
-Record = dict[str, Any]
+# what the simulator hands its callback, in the order things happen
+SimRecord = TripRecord | ServerStepRecord | EpochRecord
 # (task, population, jobs [(client, trip)], starting params per job, client config) -> results
 ClientUpdate = Callable[
     [Task, Population, list[tuple[int, int]], list[Params], ClientConfig], ClientResults
@@ -82,7 +84,7 @@ class Simulator:
         algorithm: Algorithm,
         client: ClientConfig,
         config: SimulatorConfig,
-        callback: Callable[[Record], None] | None = None,
+        callback: Callable[[SimRecord], None] | None = None,
         stages: list[SumStage] | None = None,
         client_update: ClientUpdate | None = None,
         summer: Summer | None = None,
@@ -201,9 +203,7 @@ class Simulator:
             restart = getattr(stage, "restart", None)
             if restart is not None:
                 restart()
-        self._emit(
-            {"kind": "epoch", "time": time, "epoch": self.epoch, "server_step": self.server_step}
-        )
+        self._emit(EpochRecord(epoch=self.epoch, step=self.server_step, virtual_time_s=time))
 
     @property
     def _busy(self) -> set[int]:
@@ -302,23 +302,21 @@ class Simulator:
             del self.refs[version]
             del self.versions[version]
 
-    def _trip_record(self, trip: dict[str, Any], time: float, status: str, **kw: Any) -> Record:
-        rec = {
-            "kind": "trip",
-            "time": time,
-            "client": trip["client"],
-            "trip": trip["trip"],
-            "trip_id": trip["trip_id"],
-            "start_time": trip["start"],
-            "start_version": trip["version"],
-            "status": status,
-            "bytes_down": self.bytes_down_per_trip,
-            "bytes_up": self.bytes_per_trip if status in ("aggregated", "stale") else 0,
-        }
-        rec.update(kw)
-        return rec
+    def _trip_record(self, trip: dict[str, Any], time: float, status: str, **kw: Any) -> TripRecord:
+        return TripRecord(
+            time=time,
+            client=trip["client"],
+            trip=trip["trip"],
+            trip_id=trip["trip_id"],
+            start_time=trip["start"],
+            start_version=trip["version"],
+            status=status,
+            bytes_down=self.bytes_down_per_trip,
+            bytes_up=self.bytes_per_trip if status in ("aggregated", "stale") else 0,
+            **kw,
+        )
 
-    def _emit(self, record: Record) -> None:
+    def _emit(self, record: SimRecord) -> None:
         if self.callback is not None:
             self.callback(record)
 
@@ -400,19 +398,23 @@ class Simulator:
                     server_step=self.server_step,
                 )
             )
+        c = self.counters
         self._emit(
-            {
-                "kind": "server_step",
-                "time": time,
-                "server_step": self.server_step,
-                "updates": count,
-                "loss": float(results.loss.mean()),
-                "staleness": [it["staleness"] for it in items],
-                "staleness_mean": float(staleness.mean()),
-                "concurrency": concurrency,
-                **self.counters,
-                **self.aggregator.metrics(),
-            }
+            ServerStepRecord(
+                step=self.server_step,
+                virtual_time_s=time,
+                trips=c["trips_completed"],
+                updates=count,
+                loss=float(results.loss.mean()),
+                staleness=tuple(it["staleness"] for it in items),
+                concurrency=concurrency,
+                bytes_down=c["bytes_down"],
+                bytes_up=c["bytes_up"],
+                dropped_out=c["dropped_out"],
+                stale=c["stale"],
+                cancelled=c["cancelled"],
+                agg=self.aggregator.metrics(),
+            )
         )
 
     def _done(self, max_server_steps: int | None, max_trips: int | None) -> bool:
