@@ -223,3 +223,35 @@ def test_every_command_has_help() -> None:
     ):
         res = invoke(cmd, "--help")
         assert res.exit_code == 0 and "Usage" in res.output, cmd
+
+
+def test_demo_results_file_holds_the_printed_numbers(tmp_path: Path, cache: Path) -> None:
+    sets = {
+        "data.cache_dir": f'"{cache}"',
+        "data.workers": "1",
+        "data.synthetic.n_train_speakers": "8",
+        "data.synthetic.n_test_speakers": "4",
+        "data.synthetic.train_utts_per_speaker": "5",
+        "data.synthetic.test_utts_per_speaker": "3",
+        "data.synthetic.min_duration_s": "1.0",
+        "data.synthetic.max_duration_s": "1.5",
+        "data.synthetic.difficulty": '"clean"',
+        "train.steps": "8",
+        "train.batch_size": "8",
+        "train.chunk_frames": "[60, 80]",
+        "train.threads": "1",
+        "eval.asnorm_top_n": "4",
+        "eval.lda_dim": "6",
+    }
+    args = [x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    out = tmp_path / "results" / "demo.json"
+    res = invoke("demo", "--out", tmp_path / "d", "-q", "--results", out, *args)
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    metrics = json.loads((tmp_path / "d" / "metrics.json").read_text())
+    assert got["weights_sha256"] == metrics["weights_sha256"]
+    for name, m in metrics["backends"].items():
+        assert got["systems"][name]["eer_pct"] == round(100 * m["eer"], 2)
+        assert f"{got['systems'][name]['eer_pct']:.2f}%" in res.output  # what was printed
+    assert {"barely_trained", "baseline"} <= set(got["systems"])
+    assert got["wall_s"] > 0 and got["cpu_isa"] == torch.backends.cpu.get_cpu_capability()

@@ -354,7 +354,8 @@ def demo_summary(outcome: RunOutcome, wall_s: float) -> dict:
 
     systems = {name: row(m) for name, m in outcome.result.summary().items()}
     if outcome.curve:
-        systems["barely_trained"] = row(outcome.curve[0]) | {"step": outcome.curve[0]["step"]}
+        first = outcome.curve[0]
+        systems["barely_trained"] = row(vars(first)) | {"step": first.step}
     if outcome.baseline:
         systems["baseline"] = row(outcome.baseline)
     manifest = outcome.run.manifest()
