@@ -75,6 +75,7 @@ def test_dp_utility_study_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "study"
     args = ["repro", "dp-utility", "--out", str(out), "-q", "--arm", "fedavg-nodp"]
     args += ["--arm", "fedavg-z1.0", "--arm", "fedbuff-dpftrl-z1.0"]
+    args += ["--arm", "public-only", "--arm", "pooled-oracle"]
     args += _sets(tmp_path / "c", world=True)
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
@@ -83,6 +84,9 @@ def test_dp_utility_study_end_to_end(tmp_path: Path) -> None:
     assert rows["fedavg-z1.0"]["epsilon"] > 0 and rows["fedbuff-dpftrl-z1.0"]["epsilon"] > 0
     md = (out / "study.md").read_text()
     assert "| fedavg-z1.0 |" in md and (out / "eer_vs_epsilon.png").is_file()
+    # the two references: gap closed in the table, and reference lines in the curves
+    assert rows["public-only"]["gap_closed"] == 0.0 and rows["pooled-oracle"]["gap_closed"] == 1.0
+    assert "| gap closed |" in md and (out / "gain_vs_trips.png").is_file()
     # a second call reuses the finished arms (no retraining: same files, same table)
     before = (out / "fedavg-nodp" / "metrics.json").stat().st_mtime_ns
     assert runner.invoke(app, args).exit_code == 0
