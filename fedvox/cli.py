@@ -54,7 +54,7 @@ def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
     if path is not None:
         cfg = load_config(path, overrides)
     else:
-        d = ExperimentConfig().to_dict()
+        d = strip_none(ExperimentConfig().to_dict())  # so --set data.world.seed=0 can add it
         for k, v in overrides.items():
             set_dotted(d, k, v)
         cfg = config_from_dict(strip_none(d), source="defaults + --set")
@@ -367,7 +367,10 @@ def compare(
 @app.command()
 def repro(
     study: Annotated[
-        str, typer.Argument(help="fedrecon-speakers | dp-utility (see docs/studies.md).")
+        str,
+        typer.Argument(
+            help="federated-gain | fedrecon-speakers | dp-utility (see docs/studies.md)."
+        ),
     ],
     out_dir: Annotated[
         Path | None, typer.Option("--out", help="Study folder (default runs/<study>).")
@@ -378,9 +381,22 @@ def repro(
     ] = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Run a reproduction study: every arm on the same data, budget and seed, then a table
-    (study.md) and plots. Finished arms are reused and interrupted ones resumed, so rerunning
-    the command continues a study. --set applies to every arm (e.g. --set seed=1).
+    """Run a reproduction study: every arm on the same data, budget and
+    seed, then a table (study.md) and plots. Finished arms are reused and
+    interrupted ones resumed, so rerunning the command continues a study.
+    --set applies to every arm (e.g. --set seed=1).
+
+    federated-gain asks whether federation earns its place on the
+    two-domain world: each federated arm is placed between public-only
+    (the server alone: centralised on its public speakers) and
+    pooled-oracle (centralised on all device audio) as the fraction of
+    that gap it closes, on the same device test trials. An arm may use
+    another arm's run folder ("{arm:NAME}", e.g. the fine-tuning arms'
+    federated.init_from); the study runs that arm first, also under --arm.
+
+      fedvox repro federated-gain
+      fedvox repro federated-gain --arm ft-fedavg   (public-only first)
+      fedvox repro federated-gain --set data.world.train_devices=500
     """
     from fedvox.experiment.config import parse_override
     from fedvox.experiment.repro import run_study

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # engine types, imported lazily so `fedvox config` stays ligh
     from fedvox.data.features import FeatureConfig
     from fedvox.data.partition import PartitionConfig
     from fedvox.data.synthetic import SyntheticConfig
+    from fedvox.data.world import WorldConfig
     from fedvox.fl import Algorithm, ClientConfig, ReconConfig, ServerOptimizer, SimulatorConfig
 
 
@@ -72,13 +73,119 @@ class SyntheticSection(_Strict):
         return SyntheticConfig(**self.model_dump())
 
 
+WORLD_PREFIX = "world:"
+# Which world parts each data field may name: train on a domain, test on the held-out devices.
+WORLD_PARTS: dict[str, tuple[str, ...]] = {
+    "train": ("public", "devices"),
+    "public": ("public", "devices"),
+    "test": ("test",),
+    "trials": ("trials",),
+}
+
+
+def _world_default(name: str) -> Any:
+    """A WorldConfig default, read when a [data.world] table is built (so the two cannot
+    drift apart, and `fedvox config` without a world does not import the generator)."""
+    from fedvox.data.world import WorldConfig
+
+    return getattr(WorldConfig(), name)
+
+
+# WorldConfig's own field names -> the [data.world] keys a user writes.
+WORLD_FIELDS = {
+    "public_speakers": "data.world.public_speakers",
+    "train_devices": "data.world.train_devices",
+    "test_devices": "data.world.test_devices",
+    "public.style.utts_per_speaker": "data.world.public_utts",
+    "public.style.duration_s": "data.world.public_duration_s",
+    "device.style.utts_per_speaker": "data.world.device_utts",
+    "device.style.duration_s": "data.world.device_duration_s",
+}
+
+
+class WorldSection(_Strict):
+    """The two-domain world (fedvox.data.world; docs/synthetic.md, "Two-domain world").
+
+    With this table set, data.train / data.public may be "world:public" or "world:devices",
+    data.test "world:test" and data.trials "world:trials"; prepare() generates the parts a
+    run names once (cached by their settings under data.cache_dir/corpora). Counts default
+    to WorldConfig()'s; the four optional ranges shrink a domain's recordings (quick tests),
+    None keeping the domain's own. Domain details beyond these are set in Python.
+    """
+
+    seed: int = Field(default_factory=lambda: _world_default("seed"))
+    public_speakers: int = Field(
+        default_factory=lambda: _world_default("public_speakers"),
+        ge=1,
+        description="labelled speakers of the public/server domain",
+    )
+    train_devices: int = Field(
+        default_factory=lambda: _world_default("train_devices"),
+        ge=1,
+        description="one-speaker training devices",
+    )
+    test_devices: int = Field(
+        default_factory=lambda: _world_default("test_devices"),
+        ge=2,
+        description="held-out devices: the speakers of the trial list",
+    )
+    public_utts: tuple[int, int] | None = Field(
+        None, description="utterances per public speaker (low, high); None = the domain's"
+    )
+    public_duration_s: tuple[float, float] | None = Field(
+        None, description="public utterance length, seconds (low, high); None = the domain's"
+    )
+    device_utts: tuple[int, int] | None = Field(
+        None, description="recordings per device (low, high, log-uniform); None = the domain's"
+    )
+    device_duration_s: tuple[float, float] | None = Field(
+        None, description="device recording length, seconds (low, high); None = the domain's"
+    )
+
+    @model_validator(mode="after")
+    def _generator_accepts(self) -> WorldSection:
+        try:
+            self.world_config()
+        except ConfigError as err:
+            where = WORLD_FIELDS.get(err.field, f"data.world ({err.field})")
+            raise ValueError(f"{where}: {err.problem}; {err.fix}") from None
+        return self
+
+    def world_config(self) -> WorldConfig:
+        """The generator's WorldConfig for this table (its own checks run here)."""
+        from dataclasses import replace
+
+        from fedvox.data.world import WorldConfig
+
+        base = WorldConfig()
+
+        def domain(d, utts, duration):
+            style = d.style
+            if utts is not None:
+                style = replace(style, utts_per_speaker=tuple(utts))
+            if duration is not None:
+                style = replace(style, duration_s=tuple(duration))
+            return replace(d, style=style)
+
+        return WorldConfig(
+            seed=self.seed,
+            public_speakers=self.public_speakers,
+            train_devices=self.train_devices,
+            test_devices=self.test_devices,
+            public=domain(base.public, self.public_utts, self.public_duration_s),
+            device=domain(base.device, self.device_utts, self.device_duration_s),
+        )
+
+
 class DataSection(_Strict):
     """Where training and evaluation audio come from.
 
     `train = "synthetic"` uses the embedded generator; otherwise it is a path to a Kaldi data
-    dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list. `test` and `trials` default to the
-    synthetic corpus's held-out split when training on it. `public` is the server's labelled
-    public corpus (same formats); unset, public speakers come from the generator (other seed).
+    dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list, or, with [data.world] set, a part
+    of the two-domain world ("world:public", "world:devices"; then test = "world:test",
+    trials = "world:trials"). `test` and `trials` default to the synthetic corpus's held-out
+    split when training on it. `public` is the server's labelled public corpus (same formats,
+    or a world part); unset, public speakers come from the generator (other seed).
     """
 
     train: str = "synthetic"
@@ -86,19 +193,58 @@ class DataSection(_Strict):
     trials: str | None = None
     public: str | None = Field(
         None,
-        description="server's labelled public corpus (data dir/folder/raw.list); None = "
-        "synthetic public speakers",
+        description="server's labelled public corpus (data dir/folder/raw.list, or "
+        '"world:public"); None = synthetic public speakers',
     )
     synthetic: SyntheticSection = SyntheticSection()
+    world: WorldSection | None = None
     cache_dir: str = ".cache/fedvox"
     workers: int = Field(2, ge=1, description="processes for generation and features")
 
     @model_validator(mode="after")
     def _test_needs_trials(self) -> DataSection:
+        for key in WORLD_PARTS:
+            value = getattr(self, key)
+            if value is None or not value.startswith(WORLD_PREFIX):
+                continue
+            part = value.removeprefix(WORLD_PREFIX)
+            allowed = WORLD_PARTS[key]
+            if part not in allowed:
+                names = " or ".join(f'"{WORLD_PREFIX}{p}"' for p in allowed)
+                why = (
+                    " (the held-out devices are the test speakers: training on them would "
+                    "score seen voices)"
+                    if part == "test"
+                    else ""
+                )
+                raise ValueError(
+                    f"data.{key} = {value!r} is not a world part here{why}; use {names}"
+                )
+            if self.world is None:
+                raise ValueError(
+                    f"data.{key} = {value!r} names a part of the two-domain world and "
+                    "[data.world] is unset; add a [data.world] table (e.g. `seed = 0`; "
+                    "the rest defaults) or give a path"
+                )
+        on_world = [
+            (self.test or "").startswith(WORLD_PREFIX),
+            (self.trials or "").startswith(WORLD_PREFIX),
+        ]
+        if any(on_world) and not all(on_world):
+            raise ValueError(
+                "data.test and data.trials name one test set: the world's trial list scores "
+                'the world\'s test devices, so use data.test = "world:test" with '
+                'data.trials = "world:trials" (or paths for both)'
+            )
         if self.train != "synthetic" and (self.test is None or self.trials is None):
+            hint = (
+                ' (for the world: data.test = "world:test", data.trials = "world:trials")'
+                if self.train.startswith(WORLD_PREFIX)
+                else ""
+            )
             raise ValueError(
                 "with a real training corpus, set both data.test (an evaluation data dir) "
-                "and data.trials (its trial list)"
+                f"and data.trials (its trial list){hint}"
             )
         if (self.test is None) != (self.trials is None):
             raise ValueError("data.test and data.trials go together: set both or neither")

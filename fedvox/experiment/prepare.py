@@ -19,8 +19,15 @@ from fedvox.data.features import FeatureConfig
 from fedvox.data.store import FeatureStore, extract_corpus
 from fedvox.data.synthetic import ensure_corpus
 from fedvox.data.trials import TrialList, read_trials
+from fedvox.data.world import ensure_world
 from fedvox.errors import ConfigError, DataError
-from fedvox.experiment.config import DataSection, ExperimentConfig, FederatedSection
+from fedvox.experiment.config import (
+    WORLD_FIELDS,
+    WORLD_PREFIX,
+    DataSection,
+    ExperimentConfig,
+    FederatedSection,
+)
 from fedvox.models.io import MODEL_FILE, load_model, model_info, weights_hash
 from fedvox.tasks.speakers import PublicStore, public_speaker_store, public_store_from_features
 
@@ -35,6 +42,29 @@ def synthetic_corpus_dir(data: DataSection, progress: bool = True) -> Path:
     )
 
 
+def world_part_dir(data: DataSection, key: str, progress: bool = True) -> Path:
+    """The path data.<key> names: a world part ("world:devices", ...) generated once through
+    ensure_world (cached by its settings under cache_dir/corpora), or the path as given."""
+    value = getattr(data, key)
+    assert value is not None
+    if not value.startswith(WORLD_PREFIX):
+        return Path(value)
+    assert data.world is not None  # enforced by the config schema
+    part = value.removeprefix(WORLD_PREFIX)
+    try:
+        paths = ensure_world(
+            data.world.world_config(),
+            cache_root=Path(data.cache_dir) / "corpora",
+            workers=data.workers,
+            progress=progress,
+            parts=("test",) if part == "trials" else (part,),
+        )
+    except ConfigError as err:  # e.g. the trial list's needs: name the [data.world] key
+        field = WORLD_FIELDS.get(err.field, f"data.world ({err.field})")
+        raise ConfigError(field, err.problem, err.fix) from None
+    return paths.trials if part == "trials" else getattr(paths, part)
+
+
 def resolve_corpora(data: DataSection, progress: bool = True) -> tuple[Corpus, Corpus, Path]:
     """(training corpus, evaluation corpus, trial-list path) named by the [data] table."""
     if data.train == "synthetic":
@@ -43,9 +73,10 @@ def resolve_corpora(data: DataSection, progress: bool = True) -> tuple[Corpus, C
         if data.test is None:
             return train, load_kaldi_dir(root / "test"), root / "test" / "trials.txt"
     else:
-        train = load_corpus(Path(data.train))
+        train = load_corpus(world_part_dir(data, "train", progress))
     assert data.test is not None and data.trials is not None  # enforced by the config schema
-    return train, load_corpus(Path(data.test)), Path(data.trials)
+    test = load_corpus(world_part_dir(data, "test", progress))
+    return train, test, world_part_dir(data, "trials", progress)
 
 
 def training_corpus(train: Corpus, cfg: ExperimentConfig):
@@ -105,11 +136,11 @@ def needs_public(cfg: ExperimentConfig) -> bool:
     return cfg.federated is not None and cfg.federated.speakers == "local"
 
 
-def load_public_corpus(data: DataSection) -> Corpus:
-    """The corpus at data.public, its errors named by that field."""
+def load_public_corpus(data: DataSection, progress: bool = False) -> Corpus:
+    """The corpus at data.public (a path or a world part), its errors named by that field."""
     assert data.public is not None
     try:
-        return load_corpus(Path(data.public))
+        return load_corpus(world_part_dir(data, "public", progress))
     except DataError as err:
         raise ConfigError(
             "data.public",
@@ -139,7 +170,7 @@ def public_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
             workers=cfg.data.workers,
             progress=progress,
         )
-    corpus = load_public_corpus(cfg.data)
+    corpus = load_public_corpus(cfg.data, progress)
     speakers = corpus.speakers()
     if len(speakers) < r.public_speakers:
         raise ConfigError(
@@ -169,7 +200,7 @@ def public_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
 def public_training_store(cfg: ExperimentConfig, progress: bool = False) -> PublicStore:
     """Every speaker and every fixed chunk of data.public: the server-learning corpus."""
     f = cfg.federated if cfg.federated is not None else FederatedSection()
-    corpus = load_public_corpus(cfg.data)
+    corpus = load_public_corpus(cfg.data, progress)
     corpus.validate()
     store = FeatureStore(Path(cfg.data.cache_dir) / "features")
     fcfg = cfg.features.feature_config()

@@ -2,15 +2,21 @@
 
 Each arm is an ordinary run (a config = the study's base + the arm's overrides + the user's
 --set) in its own folder under the study folder; a finished arm is reused and an
-interrupted one resumed, so a study can be stopped and restarted. The study writes
-study.md (the table), the arms' compare plots and, for dp-utility, EER against ε.
+interrupted one resumed, so a study can be stopped and restarted. An arm may use another
+arm's finished run folder: a value "{arm:NAME}" (e.g. federated.init_from) becomes that
+arm's folder, and the study runs NAME first. The study writes study.md (the table), the
+arms' compare plots, for dp-utility EER against ε and, where the study has both reference
+arms (public-only and the pooled oracle), the fraction of the gap between them each arm
+closes, and EER curves with the two references as horizontal lines.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+import math
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,9 @@ class Arm:
     overrides: dict[str, Any]
     server_sees: str = ""
     centralised: bool = False
+    # settings computed from the merged ones (base ← overrides ← --set), applied last: e.g.
+    # FedBuff's server steps from the FedAvg arms' budget, so --set cannot unbalance it
+    derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class Study:
     arms: tuple[Arm, ...]
     table: str = "speakers"  # which table builder
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # (public-only arm, pooled-oracle arm): the two reference lines of "gap closed"
+    references: tuple[str, str] | None = None
 
 
 # One budget for every federated arm: client trips (a trip = download, local training, upload).
@@ -98,7 +109,158 @@ FEDAVG_DP: dict[str, Any] = {
     "federated.checkpoint_every": 10,
 }
 
+# The two-domain world (fedvox.data.world): every arm trains and/or is evaluated on it.
+# [data.world] with only the seed set takes WorldConfig()'s counts: 300 public speakers,
+# 2,000 one-speaker training devices, 200 held-out test devices (the trial list).
+WORLD_BASE: dict[str, Any] = {
+    "train.threads": 1,
+    "data.world.seed": 0,
+    "data.train": "world:devices",
+    "data.test": "world:test",
+    "data.trials": "world:trials",
+    "data.public": "world:public",
+    # federated extractors use LayerNorm; the centralised arms use it too, so the public-only
+    # model can start the fine-tuning arms (federated.init_from) and the references compare
+    # the same architecture
+    "model.norm": "layer",
+}
+
+# The reference arms of a world study: what the server reaches alone and the oracle.
+PUBLIC_ONLY = Arm(
+    "public-only",
+    {"data.train": "world:public", "federated": None},
+    "nothing from devices: public data only (the server alone)",
+    centralised=True,
+)
+POOLED_ORACLE = Arm(
+    "pooled-oracle",
+    {"federated": None},
+    "all device audio, pooled (the privacy-violating oracle)",
+    centralised=True,
+)
+
+# One budget for every federated arm of federated-gain: GAIN_TRIPS client trips. FedAvg
+# draws a cohort of GAIN_COHORT devices per round (GAIN_TRIPS / GAIN_COHORT rounds); FedBuff
+# keeps GAIN_COHORT devices in flight and steps every GAIN_BUFFER updates (GAIN_TRIPS /
+# GAIN_BUFFER steps). With the world's 2,000 devices that is ~2 trips per device. Settings
+# from docs/federated.md, "What learns": FedAvg, server SGD lr 1 -> 0.3, two local epochs of
+# SGD (lr 0.05, batch 8), split "all", and cohort 20 (faster per trip than 100 there).
+GAIN_TRIPS = 4000
+GAIN_COHORT = 20
+GAIN_BUFFER = 10
+GAIN_BASE: dict[str, Any] = {
+    **WORLD_BASE,
+    "federated.algorithm": "fedavg",
+    "federated.speakers": "local",
+    "federated.concurrency": GAIN_COHORT,
+    "federated.server_steps": GAIN_TRIPS // GAIN_COHORT,
+    "federated.eval_every": GAIN_TRIPS // GAIN_COHORT // 10,
+    "federated.checkpoint_every": GAIN_TRIPS // GAIN_COHORT // 10,
+    "federated.server_optimizer": "sgd",
+    "federated.server_lr": 1.0,
+    "federated.server_final_lr": 0.3,
+    "federated.local_epochs": 2,
+    "federated.local_batch_size": 8,
+    "federated.local_lr": 0.05,
+    "federated.reconstruction.split": "all",
+    # every public speaker of the world is a negative (more negatives learned faster there)
+    "federated.reconstruction.public_speakers": 300,
+}
+# Local speakers learn without an AAM margin (a margin hurt them: docs/federated.md).
+LOCAL: dict[str, Any] = {"federated.speakers": "local", "model.margin": 0.0}
+# Fine-tuning from the public model: smaller steps than from scratch, so the federated
+# updates refine the public model instead of overwriting it. NOT YET TUNED: guesses to be
+# tuned on the real world (server lr, its decay and the local lr).
+FINE_TUNE: dict[str, Any] = {
+    "federated.init_from": "{arm:public-only}",
+    "federated.server_lr": 0.3,
+    "federated.server_final_lr": 0.1,
+    "federated.local_lr": 0.02,
+}
+# FedBuff from the public model: K = GAIN_BUFFER, GAIN_COHORT in flight (staleness ~C/K = 2).
+# Server lr NOT YET TUNED (FedBuff from scratch used 0.3 -> 0.1 at C = 100).
+FT_FEDBUFF: dict[str, Any] = {
+    "federated.algorithm": "fedbuff",
+    "federated.buffer_size": GAIN_BUFFER,
+    "federated.server_lr": 0.1,
+    "federated.server_final_lr": 0.03,
+}
+
+
+def _per_buffer(key: str) -> Callable[[Mapping[str, Any]], int]:
+    """A FedAvg count of rounds (server_steps, eval_every...) as FedBuff steps of the same
+    client trips: rounds x cohort / K (so the budget follows any --set of the FedAvg one)."""
+
+    def rule(s: Mapping[str, Any]) -> int:
+        trips = s[key] * s["federated.concurrency"]
+        return max(1, trips // s["federated.buffer_size"])
+
+    return rule
+
+
+# FedBuff arms spend the FedAvg arms' client trips.
+SAME_TRIPS_AS_FEDAVG = {
+    k: _per_buffer(k)
+    for k in ("federated.server_steps", "federated.eval_every", "federated.checkpoint_every")
+}
+_LOCAL_SEES = "the extractor update only; prototypes never leave the device"
+_VOICEPRINT_SEES = "the extractor update and every device's {what} (a voiceprint)"
+
 STUDIES: dict[str, Study] = {
+    "federated-gain": Study(
+        name="federated-gain",
+        title="Does federation earn its place? Device-domain EER between the server alone "
+        "(public data) and the pooled-device oracle",
+        base=GAIN_BASE,
+        arms=(
+            PUBLIC_ONLY,
+            POOLED_ORACLE,
+            Arm("fed-scratch", LOCAL, _LOCAL_SEES),
+            Arm("ft-fedavg", {**LOCAL, **FINE_TUNE}, _LOCAL_SEES),
+            Arm(
+                "ft-fedbuff",
+                {**LOCAL, **FINE_TUNE, **FT_FEDBUFF},
+                _LOCAL_SEES,
+                derived=SAME_TRIPS_AS_FEDAVG,
+            ),
+            Arm(
+                "ft-fedavg-server-learning",
+                {**LOCAL, **FINE_TUNE, "federated.server_learning.steps": 1},
+                _LOCAL_SEES + " (the server also trains on its public corpus)",
+            ),
+            Arm(
+                "ft-global-head",
+                {**FINE_TUNE, "federated.speakers": "global_head"},
+                _VOICEPRINT_SEES.format(what="speaker row"),
+            ),
+            Arm(
+                "ft-codewords",
+                {**FINE_TUNE, "federated.speakers": "codewords"},
+                "the extractor update only; head rows are fixed random codewords (no voice)",
+            ),
+            Arm(
+                "ft-fedaws",
+                {**FINE_TUNE, "federated.speakers": "fedaws"},
+                _VOICEPRINT_SEES.format(what="class vector"),
+            ),
+        ),
+        table="gain",
+        references=("public-only", "pooled-oracle"),
+        notes=(
+            "One two-domain world (fedvox.data.world, seed 0: 300 public speakers, 2,000 "
+            "training devices, 200 held-out devices), one seed. Every federated arm: "
+            f"{GAIN_TRIPS:,} client trips (FedAvg: cohort {GAIN_COHORT} over "
+            f"{GAIN_TRIPS // GAIN_COHORT} rounds; FedBuff: C = {GAIN_COHORT}, "
+            f"K = {GAIN_BUFFER}, {GAIN_TRIPS // GAIN_BUFFER} steps), server SGD, two local "
+            "epochs; local speakers with the world's public speakers as negatives. ft-* arms "
+            "start from the public-only model (federated.init_from; their manifests record its "
+            "weights hash) with smaller, not yet tuned learning rates. Centralised arms: the "
+            "default trainer (700 steps of 64 random 2–3 s crops).",
+            "Gap closed = (EER_public-only − EER_arm) / (EER_public-only − EER_oracle): 0 is "
+            "what the server reaches alone, 1 the pooled-device oracle; below 0 the arm is "
+            "worse than not federating at all.",
+        ),
+    ),
     "fedrecon-speakers": Study(
         name="fedrecon-speakers",
         title="Speakers as local parameters vs a global head, FedAwS and centralised training",
@@ -142,6 +304,7 @@ STUDIES: dict[str, Study] = {
         title="Unseen-speaker EER against ε: FedAvg (Gaussian DP) and FedBuff (DP-FTRL)",
         base={
             **DP_BASE,
+            **WORLD_BASE,
             "federated.speakers": "local",
             "federated.weighting": "uniform",
             "federated.concurrency": 20,
@@ -149,10 +312,12 @@ STUDIES: dict[str, Study] = {
             "federated.server_warmup_steps": 6,
             "federated.eval_every": 20,
             "federated.checkpoint_every": 20,
-            "federated.privacy.delta": 1e-3,
+            "federated.privacy.delta": 1e-4,  # < 1/n for the world's n = 2,000 devices
             "federated.privacy.clip_norm": 0.3,
         },
         arms=(
+            PUBLIC_ONLY,
+            POOLED_ORACLE,
             Arm("fedavg-nodp", FEDAVG_DP),
             *(
                 Arm(
@@ -178,27 +343,125 @@ STUDIES: dict[str, Study] = {
             ),
         ),
         table="dp",
+        references=("public-only", "pooled-oracle"),
         notes=(
-            "Local speakers (Federated Reconstruction), 600 client trips per arm, clip norm "
-            "S = 0.3 (fixed; update norms were 0.28–0.57 at initialisation), δ = 1e-3 "
-            "(< 1/n for n = 200 devices), RDP accounting. FedAvg samples 20 of 200 devices "
-            "per round without replacement; FedBuff (C = 20, K = 10) + DP-FTRL lets each "
-            "device train at most once per tree (an epoch of the population).",
+            "On the two-domain world (seed 0: 2,000 training devices, 200 held-out devices; "
+            "the public domain's speakers are the local speakers' negatives). Local speakers "
+            "(Federated Reconstruction), 600 client trips per arm, clip norm S = 0.3 (fixed; "
+            "update norms were 0.28–0.57 at initialisation on the embedded corpus), δ = 1e-4 "
+            "(< 1/n for n = 2,000 devices), RDP accounting. FedAvg samples 20 of the 2,000 "
+            "devices per round without replacement; FedBuff (C = 20, K = 10) + DP-FTRL lets "
+            "each device train at most once per tree (an epoch of the population). "
+            "public-only and pooled-oracle: the default centralised trainer on the public "
+            "speakers and on the pooled devices, evaluated on the same device trials.",
         ),
     ),
 }
 
 
-def arm_config(study: Study, arm: Arm, sets: dict[str, Any]) -> ExperimentConfig:
-    """The arm's resolved config: defaults ← study base ← arm overrides ← the user's --set."""
-    d = ExperimentConfig().to_dict()
-    d["name"] = f"{study.name}-{arm.name}"
-    d.pop("federated", None)
+ARM_REF = re.compile(r"\{arm:([^{}]+)\}")  # "{arm:NAME}": that arm's finished run folder
+
+
+def _arm_settings(study: Study, arm: Arm, sets: Mapping[str, Any]) -> dict[str, Any]:
+    """The dotted settings of an arm: study base ← arm overrides ← the user's --set (a
+    centralised arm drops every federated.* key)."""
+    out: dict[str, Any] = {}
     for key, value in {**study.base, **arm.overrides, **sets}.items():
         if key == "federated" and value is None:
             continue
         if arm.centralised and key.startswith("federated."):
             continue
+        out[key] = value
+    merged = dict(out)
+    for key, rule in arm.derived.items():
+        out[key] = rule(merged)
+    return out
+
+
+def _refs(value: Any) -> list[str]:
+    """Names of the arms that "{arm:NAME}" placeholders in a (nested) value refer to."""
+    if isinstance(value, str):
+        return ARM_REF.findall(value)
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _refs(v)]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in _refs(v)]
+    return []
+
+
+def _substitute(value: Any, folders: Mapping[str, Path]) -> Any:
+    if isinstance(value, str):
+        return ARM_REF.sub(lambda m: str(folders[m.group(1)]), value)
+    if isinstance(value, dict):
+        return {k: _substitute(v, folders) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_substitute(v, folders) for v in value)
+    return value
+
+
+def arm_dependencies(study: Study, arm: Arm, sets: Mapping[str, Any]) -> list[str]:
+    """The arms whose run folders this arm's settings use ("{arm:NAME}"), checked to exist."""
+    names = {a.name for a in study.arms}
+    deps: list[str] = []
+    for key, value in _arm_settings(study, arm, sets).items():
+        for dep in _refs(value):
+            if dep not in names or dep == arm.name:
+                problem = (
+                    f"arm {arm.name} uses its own run folder"
+                    if dep == arm.name
+                    else f"arm {arm.name} refers to {{arm:{dep}}} and study {study.name} "
+                    "has no such arm"
+                )
+                raise ConfigError(
+                    key, problem, f"refer to another arm: {sorted(names - {arm.name})}"
+                )
+            if dep not in deps:
+                deps.append(dep)
+    return deps
+
+
+def study_order(study: Study, chosen: list[Arm], sets: Mapping[str, Any]) -> list[Arm]:
+    """The chosen arms plus every arm they depend on, each after its dependencies (otherwise
+    in the study's order); a dependency cycle is refused."""
+    by_name = {a.name: a for a in study.arms}
+    order: list[Arm] = []
+    state: dict[str, str] = {}  # "visiting" | "done"
+
+    def visit(arm: Arm, path: list[str]) -> None:
+        if state.get(arm.name) == "done":
+            return
+        if state.get(arm.name) == "visiting":
+            cycle = " -> ".join([*path[path.index(arm.name) :], arm.name])
+            raise ConfigError(
+                "{arm:...}", f"arms depend on each other in a cycle: {cycle}", "break the cycle"
+            )
+        state[arm.name] = "visiting"
+        for dep in arm_dependencies(study, arm, sets):
+            visit(by_name[dep], [*path, arm.name])
+        state[arm.name] = "done"
+        order.append(arm)
+
+    for arm in study.arms:  # the study's order, restricted to what is needed
+        if arm in chosen:
+            visit(arm, [])
+    return order
+
+
+def arm_config(
+    study: Study,
+    arm: Arm,
+    sets: Mapping[str, Any],
+    folders: Mapping[str, Path] | None = None,
+) -> ExperimentConfig:
+    """The arm's resolved config: defaults ← study base ← arm overrides ← the user's --set,
+    with "{arm:NAME}" replaced by NAME's run folder from `folders` (left as written without)."""
+    deps = arm_dependencies(study, arm, sets)
+    d = strip_none(ExperimentConfig().to_dict())  # absent tables (data.world) can be set
+    d["name"] = f"{study.name}-{arm.name}"
+    d.pop("federated", None)
+    for key, value in _arm_settings(study, arm, sets).items():
+        if folders is not None and deps:
+            value = _substitute(value, folders)
         set_dotted(d, key, copy.deepcopy(value))
     return config_from_dict(strip_none(d), source=f"study {study.name}, arm {arm.name}")
 
@@ -256,10 +519,19 @@ def _speakers_table(rows: list[dict]) -> list[str]:
 
 
 def _dp_table(rows: list[dict]) -> list[str]:
-    out = ["| arm | ε (δ = 1e-3) | unseen-speaker EER | minDCF (p=0.01) |", "|---|---|---|---|"]
+    gap = any("gap_closed" in r for r in rows)
+    out = [
+        "| arm | ε (δ = 1e-4) | device EER | minDCF (p=0.01) |" + (" gap closed |" if gap else ""),
+        "|---|---|---|---|" + ("---|" if gap else ""),
+    ]
     for r in rows:
         eps = "∞ (no DP)" if r["epsilon"] is None else f"{r['epsilon']:.2f}"
-        out.append(f"| {r['arm']} | {eps} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |")
+        if r["trips"] is None:
+            eps = "— (centralised)"
+        gap_cell = f" {_num(r.get('gap_closed'), '.2f')} |" if gap else ""
+        out.append(
+            f"| {r['arm']} | {eps} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |{gap_cell}"
+        )
     return out
 
 
@@ -280,16 +552,92 @@ def _plot_dp(rows: list[dict], path: Path) -> Path:
             if r["arm"].startswith(algo) and r["epsilon"] is None:
                 ax.axhline(100 * r["eer"], color=colour, ls="--", lw=1, label=f"{algo}, no DP")
     ax.set_xscale("log")
-    ax.set_xlabel("ε (δ = 1e-3)")
+    ax.set_xlabel("ε (δ = 1e-4)")
     ax.set_ylabel("unseen-speaker EER (%)")
     ax.legend()
     fig.tight_layout()
     return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
 
 
+def _virtual_hours(folder: Path) -> float | None:
+    """Virtual hours at the last evaluation of a federated run; None for a centralised one."""
+    evals = _evals(folder)
+    seconds = evals[-1].get("virtual_time_s") if evals else None
+    return None if seconds is None else seconds / 3600.0
+
+
+def gap_closed(eer: float, eer_public: float, eer_oracle: float) -> float | None:
+    """(EER_public − EER) / (EER_public − EER_oracle): 0 at the public-only model, 1 at the
+    pooled oracle; None when the two references have the same EER (no gap to close)."""
+    span = eer_public - eer_oracle
+    return None if span == 0 else (eer_public - eer) / span
+
+
+def add_gap_closed(rows: list[dict], references: tuple[str, str] | None) -> bool:
+    """Give every row its "gap_closed" when both reference arms are among the rows."""
+    by_arm = {r["arm"]: r for r in rows}
+    if references is None or not all(n in by_arm for n in references):
+        return False
+    public, oracle = (by_arm[n]["eer"] for n in references)
+    for r in rows:
+        r["gap_closed"] = gap_closed(r["eer"], public, oracle)
+    return True
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "—" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def _gain_table(rows: list[dict]) -> list[str]:
+    gap = any("gap_closed" in r for r in rows)
+    out = [
+        "| arm | device EER | minDCF (p=0.01) |"
+        + (" gap closed |" if gap else "")
+        + " client trips | virtual hours | MB up / trip | MB down / trip | what the server sees |",
+        "|---|---|---|" + ("---|" if gap else "") + "---|---|---|---|---|",
+    ]
+    for r in rows:
+        gap_cell = f" {_num(r.get('gap_closed'), '.2f')} |" if gap else ""
+        out.append(
+            f"| {r['arm']} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |{gap_cell} "
+            f"{_num(r['trips'], 'd')} | {_num(r.get('hours'), '.2f')} "
+            f"| {_num(r['mb_up_per_trip'], '.2f')} | {_num(r['mb_down_per_trip'], '.2f')} "
+            f"| {r['server_sees']} |"
+        )
+    return out
+
+
+def _plot_references(
+    rows: list[dict], references: tuple[str, str], x_of: str, xlabel: str, path: Path
+) -> Path:
+    """EER against trips or virtual hours, one line per federated arm (compare's curves),
+    with the public-only and pooled-oracle EERs as horizontal lines."""
+    from fedvox.experiment.compare import load_curve
+
+    fig = Figure(figsize=(6.4, 4.4), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for r in rows:
+        if r["trips"] is None:
+            continue
+        curve = load_curve(r["folder"])
+        ax.plot(getattr(curve, x_of), 100 * curve.eer, marker="o", ms=3, lw=1.5, label=r["arm"])
+    by_arm = {r["arm"]: r for r in rows}
+    for name, style in zip(references, ("--", ":"), strict=True):
+        eer = 100 * by_arm[name]["eer"]
+        ax.axhline(eer, ls=style, lw=1.2, color="black", label=f"{name} {eer:.2f}%")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("device-domain EER (%)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return atomic_write(path, lambda f: fig.savefig(f, format="png"))
+
+
 TABLES: dict[str, Callable[[list[dict]], list[str]]] = {
     "speakers": _speakers_table,
     "dp": _dp_table,
+    "gain": _gain_table,
 }
 
 
@@ -300,7 +648,8 @@ def run_study(
     arms: list[str] | None = None,
     progress: bool = True,
 ) -> Path:
-    """Run every arm of study `name` into `out/<arm>` and write `out/study.md`."""
+    """Run every arm of study `name` (or the `arms` chosen, plus the arms they depend on,
+    dependencies first) into `out/<arm>` and write `out/study.md`."""
     from fedvox.experiment.compare import compare_runs
 
     if name not in STUDIES:
@@ -312,17 +661,42 @@ def run_study(
         raise ConfigError(
             "--arm", f"unknown arm(s) {sorted(unknown)}", f"use {[a.name for a in study.arms]}"
         )
-    configs = [(a, arm_config(study, a, sets or {})) for a in chosen]  # refuse early
+    sets = sets or {}
+    order = study_order(study, chosen, sets)  # dependencies first
+    folders = {a.name: (out / a.name).resolve() for a in order}
+    configs = {a.name: arm_config(study, a, sets, folders) for a in order}  # refuse early
+    for arm in order:
+        run_arm(configs[arm.name], folders[arm.name], progress)
     rows = []
-    for arm, cfg in configs:
-        folder = run_arm(cfg, out / arm.name, progress)
-        rows.append(_arm_row(arm, folder))
+    for arm in order:
+        row = _arm_row(arm, folders[arm.name])
+        row["hours"] = _virtual_hours(folders[arm.name])
+        rows.append(row)
     compare_runs([r["folder"] for r in rows], out)
+    refs = study.references if add_gap_closed(rows, study.references) else None
     lines = [f"# fedvox repro {name}", "", study.title, "", *TABLES[study.table](rows), ""]
     if study.table == "dp":
         _plot_dp(rows, out / "eer_vs_epsilon.png")
         lines += ["![EER vs ε](eer_vs_epsilon.png)", ""]
-    lines += ["![EER vs client trips](eer_vs_trips.png)", "", *study.notes, ""]
+    if refs is not None:
+        public, oracle = (next(r for r in rows if r["arm"] == n) for n in refs)
+        if oracle["eer"] >= public["eer"]:
+            lines += [
+                f"Note: the oracle ({oracle['arm']}) is not better than {public['arm']} here, "
+                "so there is no gap to close and the gap-closed column means nothing.",
+                "",
+            ]
+        _plot_references(rows, refs, "trips", "client trips", out / "gain_vs_trips.png")
+        _plot_references(rows, refs, "hours", "virtual hours", out / "gain_vs_hours.png")
+        lines += [
+            "![EER vs client trips, with the references](gain_vs_trips.png)",
+            "",
+            "![EER vs virtual hours, with the references](gain_vs_hours.png)",
+            "",
+        ]
+    else:
+        lines += ["![EER vs client trips](eer_vs_trips.png)", ""]
+    lines += [*study.notes, ""]
     lines += ["Arms (each an ordinary run folder):", *(f"- `{r['folder']}`" for r in rows), ""]
     atomic_write_text(out / "rows.json", json.dumps(rows, indent=1) + "\n")
     return atomic_write_text(out / "study.md", "\n".join(lines))
