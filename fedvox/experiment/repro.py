@@ -561,8 +561,8 @@ def _plot_dp(rows: list[dict], path: Path) -> Path:
 
 def _virtual_hours(folder: Path) -> float | None:
     """Virtual hours at the last evaluation of a federated run; None for a centralised one."""
-    evals = _evals(folder)
-    seconds = evals[-1].get("virtual_time_s") if evals else None
+    evals = read_run_log(folder / "metrics.jsonl", (EvalRecord,))
+    seconds = evals[-1].virtual_time_s if evals else None
     return None if seconds is None else seconds / 3600.0
 
 
