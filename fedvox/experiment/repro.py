@@ -59,6 +59,17 @@ class Study:
     references: tuple[str, str] | None = None
 
 
+# Federated settings measured to learn with local speakers (docs/federated.md, "What
+# learns"): plain server SGD, lr 1 decaying to 0.3, two local epochs of SGD at lr 0.05.
+WHAT_LEARNS: dict[str, Any] = {
+    "federated.server_optimizer": "sgd",
+    "federated.server_lr": 1.0,
+    "federated.server_final_lr": 0.3,
+    "federated.local_epochs": 2,
+    "federated.local_batch_size": 8,
+    "federated.local_lr": 0.05,
+}
+
 # One budget for every federated arm: client trips (a trip = download, local training, upload).
 # One speaker per device on the default corpus: 200 devices with ~20 fixed 2 s chunks each.
 # Synchronous FedAvg, cohort 100, plain server SGD (lr 1 decaying to 0.3) over two local
@@ -68,12 +79,7 @@ FED_BASE: dict[str, Any] = {
     "train.threads": 1,
     "federated.algorithm": "fedavg",
     "federated.concurrency": 100,
-    "federated.server_optimizer": "sgd",
-    "federated.server_lr": 1.0,
-    "federated.server_final_lr": 0.3,
-    "federated.local_epochs": 2,
-    "federated.local_batch_size": 8,
-    "federated.local_lr": 0.05,
+    **WHAT_LEARNS,
     "federated.server_steps": 40,
     "federated.eval_every": 4,
     "federated.checkpoint_every": 4,
@@ -156,12 +162,7 @@ GAIN_BASE: dict[str, Any] = {
     "federated.server_steps": GAIN_TRIPS // GAIN_COHORT,
     "federated.eval_every": GAIN_TRIPS // GAIN_COHORT // 10,
     "federated.checkpoint_every": GAIN_TRIPS // GAIN_COHORT // 10,
-    "federated.server_optimizer": "sgd",
-    "federated.server_lr": 1.0,
-    "federated.server_final_lr": 0.3,
-    "federated.local_epochs": 2,
-    "federated.local_batch_size": 8,
-    "federated.local_lr": 0.05,
+    **WHAT_LEARNS,
     "federated.reconstruction.split": "all",
     # every public speaker of the world is a negative (more negatives learned faster there)
     "federated.reconstruction.public_speakers": 300,
