@@ -7,15 +7,13 @@ external data dir, enroll/verify, export, and clear errors for bad configs.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from kill import train_until_killed
 from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
@@ -112,16 +110,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path, cache: Path) -> N
     ref = invoke("train", cfg, "--out", tmp_path / "ref", "-q")
     assert ref.exit_code == 0, ref.output
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedvox.cli", "train", str(cfg), "--out", str(run), "-q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((run / "checkpoints").glob("ckpt-000000020.pt")):
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    train_until_killed(cfg, run, checkpoint=20)
     res = invoke("resume", run, "-q")
     assert res.exit_code == 0, res.output
     a = json.loads((tmp_path / "ref" / "metrics.json").read_text())

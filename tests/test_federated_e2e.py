@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from kill import train_until_killed
 from tiny_corpus import TINY_DATA, TINY_EVAL
 from typer.testing import CliRunner
 
@@ -95,16 +93,7 @@ def test_federated_sigkill_resume_is_bit_identical(tmp_path: Path, cache: Path) 
     ref = runner.invoke(app, ["train", str(cfg), "--out", str(tmp_path / "ref"), "-q"])
     assert ref.exit_code == 0, ref.output
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedvox.cli", "train", str(cfg), "--out", str(run), "-q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 120
-    while time.time() < deadline and not list((run / "checkpoints").glob("ckpt-000000006.pt")):
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    train_until_killed(cfg, run, checkpoint=6)
     res = runner.invoke(app, ["resume", str(run), "-q"])
     assert res.exit_code == 0, res.output
     a = json.loads((tmp_path / "ref" / "metrics.json").read_text())

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from kill import train_until_killed
 from tiny_corpus import TINY_DATA, TINY_EVAL, write_kaldi_dir
 from typer.testing import CliRunner
 
@@ -220,16 +216,7 @@ def test_fedbuff_with_init_and_server_learning_resumes_bit_identically(
     p = json.loads((tmp_path / "plain" / "metrics.json").read_text())
     assert a["weights_sha256"] != p["weights_sha256"]  # server learning changed the model
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedvox.cli", "train", str(cfg), "--out", str(run), "-q"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 180
-    while time.time() < deadline and not list((run / "checkpoints").glob("ckpt-000000004.pt")):
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    train_until_killed(cfg, run, checkpoint=4, timeout_s=180)
     res = runner.invoke(app, ["resume", str(run), "-q"])
     assert res.exit_code == 0, res.output
     b = json.loads((run / "metrics.json").read_text())
