@@ -62,6 +62,7 @@ def test_world_defaults_are_the_generators() -> None:
         (_data(train="world:tests"), "data", '"world:public" or "world:devices"'),
         (_data(train="world:test"), "data", "seen voices"),
         (_data(public="world:trials"), "data", "data.public"),
+        (_data(backend="world:test"), "data", "seen voices"),
         (_data(test="world:devices"), "data", '"world:test"'),
         (_data(trials="/some/trials.txt"), "data", 'data.trials = "world:trials"'),
         (_data(test=None, trials=None), "data", 'data.test = "world:test"'),
@@ -109,6 +110,21 @@ def test_prepare_resolves_world_parts_through_the_cache(tmp_path: Path) -> None:
     assert len(data.trials) > 0 and data.public is not None
     assert data.public.speakers == ("pub-00000", "pub-00001", "pub-00002")
     assert data.test_corpus.root == paths.test  # the generated parts, reused, not regenerated
+
+
+def test_backend_data_is_fit_on_the_named_corpus(tmp_path: Path) -> None:
+    """data.backend: the scoring back end sees that corpus, training still its own."""
+    torch.set_num_threads(1)
+    cache = str(tmp_path / "cache")
+    cfg = config_from_dict(
+        {"data": _data(cache_dir=cache, train="world:public", backend="world:devices")}
+    )
+    data = prepare(cfg, progress=False)
+    feats, speaker_of = data.backend_data()
+    assert {speaker_of(u) for u in feats} == {f"dev-{i:06d}" for i in range(4)}
+    assert data.train_speakers() == ["pub-00000", "pub-00001", "pub-00002"]
+    plain = prepare(config_from_dict({"data": _data(cache_dir=cache)}), progress=False)
+    assert plain.backend_feats is None and plain.backend_data()[0] is plain.train_feats
 
 
 def test_generation_errors_name_the_world_key(tmp_path: Path) -> None:

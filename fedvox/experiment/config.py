@@ -78,6 +78,7 @@ WORLD_PREFIX = "world:"
 WORLD_PARTS: dict[str, tuple[str, ...]] = {
     "train": ("public", "devices"),
     "public": ("public", "devices"),
+    "backend": ("public", "devices"),
     "test": ("test",),
     "trials": ("trials",),
 }
@@ -186,6 +187,8 @@ class DataSection(_Strict):
     trials = "world:trials"). `test` and `trials` default to the synthetic corpus's held-out
     split when training on it. `public` is the server's labelled public corpus (same formats,
     or a world part); unset, public speakers come from the generator (other seed).
+    `backend` is the corpus the scoring back end is fit on (the cosine back end's centring
+    mean, the AS-norm cohort, LDA/PLDA); unset, the training data.
     """
 
     train: str = "synthetic"
@@ -195,6 +198,11 @@ class DataSection(_Strict):
         None,
         description="server's labelled public corpus (data dir/folder/raw.list, or "
         '"world:public"); None = synthetic public speakers',
+    )
+    backend: str | None = Field(
+        None,
+        description="corpus the scoring back end is fit on (data dir/folder/raw.list, or a "
+        'world part such as "world:devices"); None = the training data',
     )
     synthetic: SyntheticSection = SyntheticSection()
     world: WorldSection | None = None

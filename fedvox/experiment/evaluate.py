@@ -34,8 +34,7 @@ def quick_eval(extractor: nn.Module, cfg: ExperimentConfig, data: PreparedData) 
     )
     res, _ = evaluate_extractor(
         extractor,
-        data.train_feats,
-        data.train_corpus.speaker_of,
+        *data.backend_data(),
         data.test_feats,
         data.trials,
         settings,

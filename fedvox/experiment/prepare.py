@@ -7,6 +7,7 @@ wiring a run does no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +117,15 @@ class PreparedData:
     public: PublicStore | None = None  # the server's public speakers (negatives), if used
     public_train: PublicStore | None = None  # all of data.public, for server learning
     init: InitModel | None = None  # federated.init_from, loaded and checked
+    backend_corpus: Corpus | None = None  # data.backend: what the back end is fit on
+    backend_feats: dict[str, np.ndarray] | None = None
+
+    def backend_data(self) -> tuple[dict[str, np.ndarray], Callable[[str], str]]:
+        """(features, speaker_of) the scoring back end is fit on: data.backend's corpus if
+        set, else the training data."""
+        if self.backend_feats is None or self.backend_corpus is None:
+            return self.train_feats, self.train_corpus.speaker_of
+        return self.backend_feats, self.backend_corpus.speaker_of
 
     @property
     def feat_dim(self) -> int:
@@ -255,6 +265,12 @@ def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
     test_feats = extract_corpus(test, fcfg, store, workers=cfg.data.workers, progress=progress)
     corpus_dir = train.root.parent if cfg.data.train == "synthetic" else None
     data = PreparedData(train_c, test, trials, train_feats, test_feats, fcfg, corpus_dir)
+    if cfg.data.backend is not None and cfg.data.backend != cfg.data.train:
+        data.backend_corpus = load_corpus(world_part_dir(cfg.data, "backend", progress))
+        data.backend_corpus.validate()
+        data.backend_feats = extract_corpus(
+            data.backend_corpus, fcfg, store, workers=cfg.data.workers, progress=progress
+        )
     f = cfg.federated
     if needs_public(cfg):
         data.public = public_store(cfg, progress)

@@ -129,12 +129,19 @@ WORLD_BASE: dict[str, Any] = {
     # model can start the fine-tuning arms (federated.init_from) and the references compare
     # the same architecture
     "model.norm": "layer",
+    # the study-sized TDNN: a client trip of xvector-small costs ~0.8 s of FLOPs alone on
+    # one core here (benchmarks/bench_world_trip.py), too slow for thousands of trips
+    "model.name": "xvector-tiny",
 }
 
 # The reference arms of a world study: what the server reaches alone and the oracle.
 PUBLIC_ONLY = Arm(
     "public-only",
-    {"data.train": "world:public", "federated": None},
+    # trained on public speakers only; scored like every other arm, with the back end (the
+    # cosine centring mean, PLDA) fit on the training devices' embeddings, so the reference
+    # is not handicapped by an out-of-domain mean (for cosine only the mean is used: an
+    # aggregate a deployment can collect by secure aggregation)
+    {"data.train": "world:public", "data.backend": "world:devices", "federated": None},
     "nothing from devices: public data only (the server alone)",
     centralised=True,
 )

@@ -115,16 +115,17 @@ def _evaluate_and_finish(
         norm=cfg.model_norm(),
         embedding_layer=cfg.model.embedding_layer,
     )
+    backend_feats, backend_speaker_of = data.backend_data()
     result, backend = evaluate_extractor(
         extractor,
-        data.train_feats,
-        data.train_corpus.speaker_of,
+        backend_feats,
+        backend_speaker_of,
         data.test_feats,
         data.trials,
         backend_config(cfg.eval),
         progress=progress,
     )
-    baseline = evaluate_baseline(data.train_feats, data.test_feats, data.trials).to_dict()
+    baseline = evaluate_baseline(backend_feats, data.test_feats, data.trials).to_dict()
     return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
 
 
