@@ -190,6 +190,8 @@ class EvalRecord(Record):
     bytes_down: int | None = None
     epsilon: float | None = None
     delta: float | None = None
+    # mean cosine between held-out speakers' un-centred prototypes (speaker_offset)
+    offset: float | None = None
 
     def verification(self) -> dict[str, float | int]:
         """The verification metrics alone, as the report's results table takes them."""

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedvox.eval.backend import Backend, BackendConfig, fit_backend, train_subset
+from fedvox.eval.backend import (
+    Backend,
+    BackendConfig,
+    fit_backend,
+    speaker_offset,
+    train_subset,
+)
 
 
 def _embeddings(n_spk: int = 6, per: int = 5, dim: int = 8) -> tuple[np.ndarray, list[str]]:
@@ -42,3 +48,24 @@ def test_backend_save_load_round_trip(tmp_path) -> None:
     np.testing.assert_allclose(
         loaded.plda.score(probe, probe), fitted.plda.score(probe, probe), rtol=0, atol=0
     )
+
+
+def test_speaker_offset_measures_a_direction_common_to_every_speaker() -> None:
+    rng = np.random.default_rng(0)
+    dim, speakers, per = 64, 30, 4
+    centres = rng.standard_normal((speakers, dim))
+    emb = {
+        f"s{s:02d}-{k}": centres[s] + 0.1 * rng.standard_normal(dim)
+        for s in range(speakers)
+        for k in range(per)
+    }
+
+    def spk(u: str) -> str:
+        return u.split("-")[0]
+
+    spread = speaker_offset(emb, spk)
+    shifted = speaker_offset({u: e + 5.0 * np.ones(dim) for u, e in emb.items()}, spk)
+    assert abs(spread) < 0.1  # random centres: nearly orthogonal prototypes
+    assert shifted > 0.9  # a shared direction dominates every prototype
+    # a speaker's own utterances do not count: one speaker has no pair
+    assert np.isnan(speaker_offset({"a-1": np.ones(dim), "a-2": np.ones(dim)}, spk))

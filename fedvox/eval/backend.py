@@ -137,6 +137,27 @@ def score_with_backend(
     return EvalResult(metrics, scores, labels)
 
 
+def speaker_offset(
+    embeddings: dict[str, np.ndarray], speaker_of: Callable[[str], str]
+) -> float:
+    """Mean cosine between different speakers' un-centred prototypes (normalised mean of
+    normalised embeddings): ~0 when speakers spread around the origin, → 1 when a common
+    offset dominates every embedding (docs/federated.md, "A common offset")."""
+    utts = sorted(embeddings)
+    speakers = sorted({speaker_of(u) for u in utts})
+    if len(speakers) < 2:
+        return float("nan")
+    index = {s: i for i, s in enumerate(speakers)}
+    e = np.stack([embeddings[u] for u in utts]).astype(np.float64)
+    e /= np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+    protos = np.zeros((len(speakers), e.shape[1]))
+    np.add.at(protos, [index[speaker_of(u)] for u in utts], e)
+    protos /= np.maximum(np.linalg.norm(protos, axis=1, keepdims=True), 1e-12)
+    cos = protos @ protos.T
+    n = len(speakers)
+    return float((cos.sum() - np.trace(cos)) / (n * (n - 1)))
+
+
 def evaluate_extractor(
     extractor: nn.Module,
     train_feats: dict[str, np.ndarray],
@@ -145,8 +166,10 @@ def evaluate_extractor(
     trials: TrialList,
     cfg: BackendConfig,
     progress: bool = True,
+    test_speaker_of: Callable[[str], str] | None = None,
 ) -> tuple[EvalResult, Backend]:
-    """Embed a training subset (for the back end) and the trial utterances, then score."""
+    """Embed a training subset (for the back end) and the trial utterances, then score;
+    with `test_speaker_of`, extra["offset"] is the test speakers' speaker_offset."""
     utts = sorted(train_feats)
     spks = [train_speaker_of(u) for u in utts]
     idx = train_subset(utts, spks, cfg.max_train_utts)
@@ -155,6 +178,8 @@ def evaluate_extractor(
     backend = fit_backend(np.stack([train_emb[u] for u in sub]), [spks[i] for i in idx], cfg)
     test_emb = embed_dict(extractor, test_feats, trials.utt_ids(), "embed test", progress)
     result = score_with_backend(test_emb, trials, backend, cfg.backends, cfg.asnorm_top_n)
+    if test_speaker_of is not None:
+        result.extra["offset"] = speaker_offset(test_emb, test_speaker_of)
     return result, backend
 
 

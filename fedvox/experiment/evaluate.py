@@ -26,7 +26,8 @@ def backend_config(section: EvalSection) -> BackendConfig:
 
 def quick_eval(extractor: nn.Module, cfg: ExperimentConfig, data: PreparedData) -> dict:
     """Held-out cosine metrics with at most 500 training utterances for the mean: cheap
-    enough to run during training (centralised and federated alike)."""
+    enough to run during training (centralised and federated alike), plus the held-out
+    speakers' common offset (eval.backend.speaker_offset)."""
     settings = replace(
         backend_config(cfg.eval),
         backends=("cosine",),
@@ -39,5 +40,6 @@ def quick_eval(extractor: nn.Module, cfg: ExperimentConfig, data: PreparedData) 
         data.trials,
         settings,
         progress=False,
+        test_speaker_of=data.test_corpus.speaker_of,
     )
-    return res.metrics["cosine"].to_dict()
+    return {**res.metrics["cosine"].to_dict(), "offset": res.extra["offset"]}

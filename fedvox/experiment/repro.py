@@ -266,7 +266,9 @@ STUDIES: dict[str, Study] = {
             "default trainer (700 steps of 64 random 2–3 s crops).",
             "Gap closed = (EER_public-only − EER_arm) / (EER_public-only − EER_oracle): 0 is "
             "what the server reaches alone, 1 the pooled-device oracle; below 0 the arm is "
-            "worse than not federating at all.",
+            "worse than not federating at all. Offset: the mean cosine between different "
+            "held-out speakers' un-centred prototypes (near 0: speakers spread around the "
+            "origin; near 1: one direction common to every embedding).",
         ),
     ),
     "fedrecon-speakers": Study(
@@ -504,6 +506,7 @@ def _arm_row(arm: Arm, folder: Path) -> dict[str, Any]:
         "mb_down_per_trip": down / trips / 1e6 if trips and down is not None else None,
         "server_sees": arm.server_sees,
         "epsilon": result.get("privacy", {}).get("epsilon"),
+        "offset": result.get("test_speaker_offset"),
         "folder": str(folder),
     }
     return row
@@ -601,8 +604,9 @@ def _gain_table(rows: list[dict]) -> list[str]:
     out = [
         "| arm | device EER | minDCF (p=0.01) |"
         + (" gap closed |" if gap else "")
-        + " client trips | virtual hours | MB up / trip | MB down / trip | what the server sees |",
-        "|---|---|---|" + ("---|" if gap else "") + "---|---|---|---|---|",
+        + " client trips | virtual hours | MB up / trip | MB down / trip | offset "
+        "| what the server sees |",
+        "|---|---|---|" + ("---|" if gap else "") + "---|---|---|---|---|---|",
     ]
     for r in rows:
         gap_cell = f" {_num(r.get('gap_closed'), '.2f')} |" if gap else ""
@@ -610,7 +614,7 @@ def _gain_table(rows: list[dict]) -> list[str]:
             f"| {r['arm']} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |{gap_cell} "
             f"{_num(r['trips'], 'd')} | {_num(r.get('hours'), '.2f')} "
             f"| {_num(r['mb_up_per_trip'], '.2f')} | {_num(r['mb_down_per_trip'], '.2f')} "
-            f"| {r['server_sees']} |"
+            f"| {_num(r.get('offset'), '.3f')} | {r['server_sees']} |"
         )
     return out
 

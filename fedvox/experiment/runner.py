@@ -124,6 +124,7 @@ def _evaluate_and_finish(
         data.trials,
         backend_config(cfg.eval),
         progress=progress,
+        test_speaker_of=data.test_corpus.speaker_of,
     )
     baseline = evaluate_baseline(backend_feats, data.test_feats, data.trials).to_dict()
     return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
@@ -177,6 +178,8 @@ def finish_run(
     }
     atomic_write_text(run.path / "calibration.json", json.dumps(calib, indent=2) + "\n")
     summary = {"backends": result.summary(), "baseline_stats_cosine": baseline}
+    if "offset" in result.extra:
+        summary["test_speaker_offset"] = result.extra["offset"]
     whash = weights_hash(extractor)
     summary["weights_sha256"] = whash
     curve = read_run_log(run.metrics_path, (EvalRecord,))
