@@ -137,9 +137,7 @@ def score_with_backend(
     return EvalResult(metrics, scores, labels)
 
 
-def speaker_offset(
-    embeddings: dict[str, np.ndarray], speaker_of: Callable[[str], str]
-) -> float:
+def speaker_offset(embeddings: dict[str, np.ndarray], speaker_of: Callable[[str], str]) -> float:
     """Mean cosine between different speakers' un-centred prototypes (normalised mean of
     normalised embeddings): ~0 when speakers spread around the origin, → 1 when a common
     offset dominates every embedding (docs/federated.md, "A common offset")."""
