@@ -62,13 +62,14 @@ def _sets(cache: Path, world: bool = False) -> list[str]:
 def test_arm_configs_share_the_base_and_differ_only_by_the_arm() -> None:
     study = STUDIES["fedrecon-speakers"]
     cfgs = {a.name: arm_config(study, a, {"seed": 3}) for a in study.arms}
-    assert cfgs["centralised"].federated is None
-    fed = [c for n, c in cfgs.items() if n != "centralised"]
+    assert cfgs["centralised"].federated is None and cfgs["public-only"].federated is None
+    assert cfgs["public-only"].data.train == "synthetic:public"
+    fed = [c for n, c in cfgs.items() if n not in ("centralised", "public-only")]
     assert {c.federated.speakers for c in fed} == {"global_head", "codewords", "fedaws", "local"}
     assert {c.federated.server_steps for c in fed} == {40} and {c.seed for c in fed} == {3}
     assert {c.federated.algorithm for c in fed} == {"fedavg"}
     with pytest.raises(ConfigError):
-        arm_config(study, study.arms[1], {"federated.concurrency": 0})
+        arm_config(study, study.arms[2], {"federated.concurrency": 0})
 
 
 def test_dp_utility_study_end_to_end(tmp_path: Path) -> None:
@@ -108,7 +109,8 @@ def test_fedrecon_speakers_study_table(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     rows = {r["arm"]: r for r in json.loads((out / "rows.json").read_text())}
     assert set(rows) == {a.name for a in STUDIES["fedrecon-speakers"].arms}
-    assert rows["centralised"]["trips"] is None
+    assert rows["centralised"]["trips"] is None and rows["public-only"]["trips"] is None
+    assert rows["public-only"]["gap_closed"] == 0.0 and rows["centralised"]["gap_closed"] == 1.0
     # local prototypes: downloads carry the public negatives, uploads only the extractor,
     # which is smaller than extractor + head of the global-head arm
     local, head = rows["fedrecon-local-speakers"], rows["fedavg-global-head"]

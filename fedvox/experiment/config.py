@@ -75,6 +75,9 @@ class SyntheticSection(_Strict):
 
 WORLD_PREFIX = "world:"
 # Which world parts each data field may name: train on a domain, test on the held-out devices.
+# data.train values that name the embedded generator (its speakers, or its public voices)
+SYNTHETIC_TRAIN = ("synthetic", "synthetic:public")
+
 WORLD_PARTS: dict[str, tuple[str, ...]] = {
     "train": ("public", "devices"),
     "public": ("public", "devices"),
@@ -181,7 +184,10 @@ class WorldSection(_Strict):
 class DataSection(_Strict):
     """Where training and evaluation audio come from.
 
-    `train = "synthetic"` uses the embedded generator; otherwise it is a path to a Kaldi data
+    `train = "synthetic"` uses the embedded generator; `"synthetic:public"` trains on the
+    generator's public voices instead (the seed the public negatives come from, the same
+    counts), still scored on the embedded held-out speakers — what a server reaches alone
+    with public data like the devices'. Otherwise `train` is a path to a Kaldi data
     dir, VoxCeleb/LibriSpeech folder or WeSpeaker raw.list, or, with [data.world] set, a part
     of the two-domain world ("world:public", "world:devices"; then test = "world:test",
     trials = "world:trials"). `test` and `trials` default to the synthetic corpus's held-out
@@ -244,7 +250,7 @@ class DataSection(_Strict):
                 'the world\'s test devices, so use data.test = "world:test" with '
                 'data.trials = "world:trials" (or paths for both)'
             )
-        if self.train != "synthetic" and (self.test is None or self.trials is None):
+        if self.train not in SYNTHETIC_TRAIN and (self.test is None or self.trials is None):
             hint = (
                 ' (for the world: data.test = "world:test", data.trials = "world:trials")'
                 if self.train.startswith(WORLD_PREFIX)

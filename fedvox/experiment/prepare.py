@@ -8,7 +8,7 @@ wiring a run does no I/O.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from fedvox.data.trials import TrialList, read_trials
 from fedvox.data.world import ensure_world
 from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import (
+    SYNTHETIC_TRAIN,
     WORLD_FIELDS,
     WORLD_PREFIX,
     DataSection,
@@ -30,13 +31,20 @@ from fedvox.experiment.config import (
     FederatedSection,
 )
 from fedvox.models.io import MODEL_FILE, load_model, model_info, weights_hash
-from fedvox.tasks.speakers import PublicStore, public_speaker_store, public_store_from_features
+from fedvox.tasks.speakers import (
+    PUBLIC_SEED_OFFSET,
+    PublicStore,
+    public_speaker_store,
+    public_store_from_features,
+)
 
 
-def synthetic_corpus_dir(data: DataSection, progress: bool = True) -> Path:
-    """Generate (or reuse from the cache) the embedded corpus; returns its folder."""
+def synthetic_corpus_dir(data: DataSection, progress: bool = True, seed_offset: int = 0) -> Path:
+    """Generate (or reuse from the cache) the embedded corpus (at seed + `seed_offset`: other
+    voices, same settings); returns its folder."""
+    gen = data.synthetic.generator_config()
     return ensure_corpus(
-        data.synthetic.generator_config(),
+        replace(gen, seed=gen.seed + seed_offset),
         cache_root=Path(data.cache_dir) / "corpora",
         workers=data.workers,
         progress=progress,
@@ -68,9 +76,12 @@ def world_part_dir(data: DataSection, key: str, progress: bool = True) -> Path:
 
 def resolve_corpora(data: DataSection, progress: bool = True) -> tuple[Corpus, Corpus, Path]:
     """(training corpus, evaluation corpus, trial-list path) named by the [data] table."""
-    if data.train == "synthetic":
+    if data.train in SYNTHETIC_TRAIN:
         root = synthetic_corpus_dir(data, progress)
         train = load_kaldi_dir(root / "train")
+        if data.train == "synthetic:public":  # the public voices; the embedded test set
+            public_root = synthetic_corpus_dir(data, progress, seed_offset=PUBLIC_SEED_OFFSET)
+            train = load_kaldi_dir(public_root / "train")
         if data.test is None:
             return train, load_kaldi_dir(root / "test"), root / "test" / "trials.txt"
     else:

@@ -277,6 +277,12 @@ STUDIES: dict[str, Study] = {
         base=FED_BASE,
         arms=(
             Arm(
+                "public-only",
+                {"data.train": "synthetic:public", "federated": None},
+                "nothing from devices: the generator's public voices (the server alone)",
+                centralised=True,
+            ),
+            Arm(
                 "centralised",
                 {"federated": None},
                 "all training audio (pooled)",
@@ -306,8 +312,13 @@ STUDIES: dict[str, Study] = {
         notes=(
             "Federated arms: FedAvg (cohort 100 of 200 devices, 40 rounds = 4,000 client "
             "trips), server SGD, two local epochs, one speaker per device, the same budget "
-            "and seed; centralised: the default trainer (700 steps of 64 random 2–3 s crops).",
+            "and seed; centralised: the default trainer (700 steps of 64 random 2–3 s crops). "
+            "public-only: the same trainer on the generator's public voices (the seed the "
+            "local speakers' negatives come from, as many speakers and utterances as the "
+            "devices hold): in this world the server alone needs no device.",
         ),
+        table="gain",
+        references=("public-only", "centralised"),
     ),
     "dp-utility": Study(
         name="dp-utility",
