@@ -155,10 +155,12 @@ POOLED_ORACLE = Arm(
 # One budget for every federated arm of federated-gain: GAIN_TRIPS client trips. FedAvg
 # draws a cohort of GAIN_COHORT devices per round (GAIN_TRIPS / GAIN_COHORT rounds); FedBuff
 # keeps GAIN_COHORT devices in flight and steps every GAIN_BUFFER updates (GAIN_TRIPS /
-# GAIN_BUFFER steps). With the world's 2,000 devices that is ~2 trips per device. Settings
+# GAIN_BUFFER steps). With the world's 2,000 devices that is ~1 trip per device (a pair of
+# 4,000-trip arms did not fit a session on 2 cores; the local-speaker fine-tuning curve was
+# flat from 200 to 400 trips: docs/studies.md). Settings
 # from docs/federated.md, "What learns": FedAvg, server SGD lr 1 -> 0.3, two local epochs of
 # SGD (lr 0.05, batch 8), split "all", and cohort 20 (faster per trip than 100 there).
-GAIN_TRIPS = 4000
+GAIN_TRIPS = 2000
 GAIN_COHORT = 20
 GAIN_BUFFER = 10
 GAIN_BASE: dict[str, Any] = {
