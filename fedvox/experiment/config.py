@@ -421,6 +421,12 @@ class ReconstructionSection(_Strict):
     )
     public_speakers: int = Field(100, ge=2, description="public synthetic negatives (P)")
     public_chunks: int = Field(2, ge=1, description="chunks per public speaker")
+    centre: Literal["none", "domain"] = Field(
+        "none",
+        description="domain centring: devices centre embeddings on the device domain's mean "
+        "(from a panel of devices, secure-aggregated), public negatives on the public mean",
+    )
+    centre_panel: int = Field(200, ge=2, description="devices whose first chunk estimate it")
 
     def recon_config(self) -> ReconConfig:
         """The engine's ReconConfig: closed-form enrollment, then `steps` SGD epochs."""

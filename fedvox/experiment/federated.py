@@ -220,8 +220,14 @@ def _local_speakers(
         raise ConfigError(
             "data.public", "no public speakers were prepared", "build the data with prepare(cfg)"
         )
-    update = make_speaker_recon_update(public, r.recon_config())
-    return task, population, update, public.broadcast_bytes(task.emb_dim)
+    panel = None
+    extra_down = public.broadcast_bytes(task.emb_dim)
+    if r.centre == "domain":  # the first chunk of centre_panel devices spread over the list
+        pick = np.linspace(0, len(clients) - 1, min(r.centre_panel, len(clients))).astype(int)
+        panel = store["x"][[int(clients[c][0]) for c in pick]]
+        extra_down += 4 * task.emb_dim
+    update = make_speaker_recon_update(public, r.recon_config(), centre_panel=panel)
+    return task, population, update, extra_down
 
 
 def _set_margin(task: nn.Module, margin: float) -> None:

@@ -240,6 +240,11 @@ STUDIES: dict[str, Study] = {
                 derived=SAME_TRIPS_AS_FEDAVG,
             ),
             Arm(
+                "ft-fedavg-centred",
+                {**LOCAL, **FINE_TUNE, "federated.reconstruction.centre": "domain"},
+                _LOCAL_SEES + " (and the mean embedding of a 200-device panel, aggregated)",
+            ),
+            Arm(
                 "ft-fedavg-server-learning",
                 {**LOCAL, **FINE_TUNE, "federated.server_learning.steps": 1},
                 _LOCAL_SEES + " (the server also trains on its public corpus)",

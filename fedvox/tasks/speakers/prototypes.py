@@ -18,7 +18,12 @@ from fedvox.errors import ConfigError
 from fedvox.fl.population import Population
 from fedvox.models.heads import aam_logits, check_margin
 from fedvox.tasks.speakers.common import EXTRACTOR, embedding_dim, extractor_params
-from fedvox.tasks.speakers.public import NEGATIVES, PublicStore, public_prototypes
+from fedvox.tasks.speakers.public import (
+    DOMAIN_CENTRE,
+    NEGATIVES,
+    PublicStore,
+    public_prototypes,
+)
 from fedvox.types import Batch, Params
 
 PROTOTYPES = "prototypes"  # the local parameter: [max_local, emb_dim] per client
@@ -136,6 +141,14 @@ class SpeakerReconTask(nn.Module):
         """Embeddings [B, emb_dim] (un-normalised) of chunks x under the global params."""
         return functional_call(self.extractor, extractor_params(params), (x,))
 
+    def _unit(self, params: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        """Normalised embeddings; with DOMAIN_CENTRE broadcast, of the normalised embedding
+        minus the device domain's mean (what a domain-wide direction cannot help)."""
+        e = F.normalize(self.embed(params, x), dim=-1)
+        if DOMAIN_CENTRE in params:
+            e = F.normalize(e - params[DOMAIN_CENTRE].detach(), dim=-1)
+        return e
+
     # local parameters
     def init_local(self, client_ids: Sequence[int], generator: torch.Generator) -> Params:
         # zeros: every prototype is set by closed_form_local before it is used
@@ -144,7 +157,7 @@ class SpeakerReconTask(nn.Module):
     def closed_form_local(self, global_params: Params, batch: Batch, mask: Tensor) -> Params:
         """Enrollment: prototype of slot j = normalised mean of the normalised embeddings of
         the support chunks in slot j (masked sums: vmappable; an empty slot stays 0)."""
-        e = F.normalize(self.embed(global_params, batch["x"]), dim=-1)
+        e = self._unit(global_params, batch["x"])
         onehot = (batch["slot"].unsqueeze(-1) == torch.arange(self.max_local)).to(e.dtype)
         return {PROTOTYPES: enrollment_prototypes(e, onehot * mask.to(e.dtype).unsqueeze(-1))}
 
@@ -157,7 +170,7 @@ class SpeakerReconTask(nn.Module):
             raise ConfigError(
                 "population", "batches have no 'slot' field", "build it with speaker_population"
             )
-        e = F.normalize(self.embed(params, batch["x"]), dim=-1)
+        e = self._unit(params, batch["x"])
         protos = params[PROTOTYPES]
         present = protos.detach().abs().sum(-1) > 0  # [S]: slots enrolled on this trip
         own = e @ F.normalize(protos, dim=-1).transpose(0, 1)  # [B, S]

@@ -25,6 +25,9 @@ from fedvox.training.chunks import fixed_chunks
 from fedvox.types import Params
 
 NEGATIVES = "public_negatives"  # reserved broadcast key: [P, emb_dim], never aggregated
+# reserved broadcast key: the device domain's mean normalised embedding [emb_dim] under the
+# start version (domain centring), never aggregated
+DOMAIN_CENTRE = "domain_centre"
 PUBLIC_SEED_OFFSET = 1_000_003  # public speakers: synthetic seed + this (disjoint voices)
 
 
@@ -143,18 +146,34 @@ def public_speaker_store(
     )
 
 
+def normalised_embeddings(
+    task: Embedder, params: Mapping[str, Tensor], x: Tensor, batch: int = 256
+) -> Tensor:
+    """Length-normalised embeddings [N, emb_dim] of chunks x (no gradient; fixed batching,
+    so the bits depend on params and x only)."""
+    with torch.no_grad():
+        return torch.cat(
+            [
+                F.normalize(task.embed(params, x[i : i + batch]), dim=-1)
+                for i in range(0, len(x), batch)
+            ]
+        )
+
+
 def public_prototypes(
-    task: Embedder, params: Mapping[str, Tensor], store: PublicStore, batch: int = 256
+    task: Embedder,
+    params: Mapping[str, Tensor],
+    store: PublicStore,
+    batch: int = 256,
+    centred: bool = False,
 ) -> Tensor:
     """Normalised mean normalised embedding of each public speaker [P, emb_dim] under the
-    extractor in `params` (no gradient; fixed batching, so the bits depend on params only)."""
-    with torch.no_grad():
-        embs = [
-            F.normalize(task.embed(params, store.x[i : i + batch]), dim=-1)
-            for i in range(0, len(store.x), batch)
-        ]
-        e = torch.cat(embs)
-        sums = torch.zeros(store.n_speakers, e.shape[1], dtype=e.dtype).index_add_(0, store.y, e)
+    extractor in `params`; `centred`: of the embeddings minus their mean (the public
+    domain's centre), the counterpart of a device's domain-centred embeddings."""
+    e = normalised_embeddings(task, params, store.x, batch)
+    if centred:
+        e = e - e.mean(0)
+    sums = torch.zeros(store.n_speakers, e.shape[1], dtype=e.dtype).index_add_(0, store.y, e)
     return F.normalize(sums, dim=-1)
 
 

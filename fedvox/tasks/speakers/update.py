@@ -16,7 +16,13 @@ from fedvox.errors import ConfigError
 from fedvox.fl.local import ClientConfig, ClientResults, ReconConfig, train_clients_recon
 from fedvox.fl.population import Population
 from fedvox.tasks.speakers.prototypes import SpeakerReconTask
-from fedvox.tasks.speakers.public import NEGATIVES, PublicStore, public_prototypes
+from fedvox.tasks.speakers.public import (
+    DOMAIN_CENTRE,
+    NEGATIVES,
+    PublicStore,
+    normalised_embeddings,
+    public_prototypes,
+)
 from fedvox.types import Params
 
 ClientUpdate = Callable[
@@ -26,7 +32,10 @@ ClientUpdate = Callable[
 
 
 def make_speaker_recon_update(
-    public: PublicStore | None, recon: ReconConfig, cache_size: int = 256
+    public: PublicStore | None,
+    recon: ReconConfig,
+    cache_size: int = 256,
+    centre_panel: Tensor | None = None,
 ) -> ClientUpdate:
     """A Simulator `client_update` for SpeakerReconTask (the task the simulator passes).
 
@@ -42,6 +51,13 @@ def make_speaker_recon_update(
     FedBuff keeps about C/K versions in flight and completes them interleaved, hence the
     default (docs/federated.md, notes). The prototypes are a pure function of the version,
     so the cache never changes a bit.
+
+    With `centre_panel` (chunks [N, L, F] of a fixed panel of devices) the loss is domain-
+    centred: each version also broadcasts DOMAIN_CENTRE, the panel's mean normalised
+    embedding (a secure-aggregated statistic: no single device's embedding is revealed),
+    devices centre their embeddings on it and the public negatives are centred on the
+    public speakers' own mean, so a direction shared by a whole domain cannot separate a
+    device speaker from the public ones (docs/federated.md, "A common offset").
     """
     if not recon.closed_form:
         raise ConfigError(
@@ -51,7 +67,17 @@ def make_speaker_recon_update(
         )
     if cache_size < 1:
         raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 256")
-    cache: OrderedDict[int, tuple[weakref.ref, Tensor]] = OrderedDict()
+    cache: OrderedDict[int, tuple[weakref.ref, dict[str, Tensor]]] = OrderedDict()
+
+    def broadcast(task: SpeakerReconTask, st: Params) -> dict[str, Tensor]:
+        assert public is not None
+        if centre_panel is None:
+            return {NEGATIVES: public_prototypes(task, st, public)}
+        centre = normalised_embeddings(task, st, centre_panel).mean(0)
+        return {
+            NEGATIVES: public_prototypes(task, st, public, centred=True),
+            DOMAIN_CENTRE: centre,
+        }
 
     def client_update(
         task: SpeakerReconTask,
@@ -85,15 +111,16 @@ def make_speaker_recon_update(
                 first = next(iter(st.values()))
                 hit = cache.get(key)
                 if hit is None or hit[0]() is not first:
-                    hit = (weakref.ref(first), public_prototypes(task, st, public))
+                    hit = (weakref.ref(first), broadcast(task, st))
                     cache[key] = hit
                     while len(cache) > cache_size:
                         cache.popitem(last=False)
                 cache.move_to_end(key)
-                merged[key] = {**st, NEGATIVES: hit[1]}
+                merged[key] = {**st, **hit[1]}
             sent.append(merged[key])
         results = train_clients_recon(task, population, jobs, sent, cfg, recon)
-        results.delta.pop(NEGATIVES)
+        for name in (NEGATIVES, DOMAIN_CENTRE):
+            results.delta.pop(name, None)
         return results
 
     return client_update
