@@ -28,12 +28,15 @@ from fedvox.fl.local import ReconConfig, ReconTask, reconstruct, train_clients_r
 from fedvox.models import build_extractor
 from fedvox.tasks.speakers import (
     CLASS_VECTORS,
+    DOMAIN_CENTRE,
     NEGATIVES,
     PROTOTYPES,
     FedAwSTask,
+    PublicStore,
     SpeakerReconTask,
     Spreadout,
     make_speaker_recon_update,
+    normalised_embeddings,
     public_prototypes,
     public_store_from_features,
     speaker_population,
@@ -455,3 +458,58 @@ def test_fedaws_simulator_spreads_class_vectors(algo: str) -> None:
         return float((torch.cdist(w, w) + 10 * torch.eye(20)).min())
 
     assert run(spread=True) > run(spread=False) + 0.1
+
+
+# -- domain centring --------------------------------------------------------------------------
+
+
+class OffsetEmbedder:
+    """Embeddings = a per-speaker direction plus one large direction shared by everyone."""
+
+    def __init__(self, dim: int = 16, shared: float = 10.0) -> None:
+        self.shared = torch.zeros(dim)
+        self.shared[0] = shared
+
+    def embed(self, params, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(1)[:, : self.shared.numel()] + self.shared
+
+
+def test_centred_public_prototypes_remove_the_domain_direction() -> None:
+    torch.manual_seed(0)
+    dim, speakers = 16, 12
+    y = torch.arange(speakers).repeat_interleave(2)
+    x = torch.randn(speakers, 1, dim)[y] + 0.05 * torch.randn(len(y), 3, dim)
+    store = PublicStore(x, y, tuple(f"p{i}" for i in range(speakers)))
+    emb = OffsetEmbedder(dim)
+
+    def mean_cos(p: torch.Tensor) -> float:
+        c = p @ p.T
+        return float((c.sum() - c.trace()) / (speakers * (speakers - 1)))
+
+    assert mean_cos(public_prototypes(emb, {}, store)) > 0.8  # the shared direction dominates
+    assert abs(mean_cos(public_prototypes(emb, {}, store, centred=True))) < 0.15
+
+
+def test_domain_centre_is_broadcast_per_version_and_changes_training() -> None:
+    pop, public, task = one_speaker_population(6), public_store(), make_task()
+    v0 = task.init_params()
+    jobs, cfg = [(c, 0) for c in range(6)], ClientConfig(batch_size=2, lr=0.03)
+    panel = pop.store["x"][::CHUNKS]  # the first chunk of every device
+    centred = make_speaker_recon_update(public, RECON, centre_panel=panel)
+    got = centred(task, pop, jobs, [v0] * 6, cfg)
+    assert set(got.delta) == set(v0)  # neither the centre nor the negatives go up
+    centre = normalised_embeddings(task, v0, panel).mean(0)
+    sent = {
+        **v0,
+        NEGATIVES: public_prototypes(task, v0, public, centred=True),
+        DOMAIN_CENTRE: centre,
+    }
+    ref = train_clients_recon(task, pop, jobs, [sent] * 6, cfg, RECON)
+    assert all(torch.equal(got.delta[n], ref.delta[n]) for n in v0)
+    plain = make_speaker_recon_update(public, RECON)(task, pop, jobs, [v0] * 6, cfg)
+    assert not torch.equal(plain.delta["extractor.l1.weight"], got.delta["extractor.l1.weight"])
+    # enrollment under the centre: the normalised mean of centred, normalised embeddings
+    batch = pop.gather(np.arange(CHUNKS))
+    proto = task.closed_form_local(sent, batch, torch.ones(CHUNKS))[PROTOTYPES][0]
+    e = F.normalize(F.normalize(task.embed(v0, batch["x"]), dim=-1) - centre, dim=-1)
+    assert torch.allclose(proto, F.normalize(e.mean(0), dim=0), atol=1e-6)

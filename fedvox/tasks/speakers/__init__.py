@@ -26,9 +26,11 @@ from fedvox.tasks.speakers.prototypes import (
     speaker_population,
 )
 from fedvox.tasks.speakers.public import (
+    DOMAIN_CENTRE,
     NEGATIVES,
     PUBLIC_SEED_OFFSET,
     PublicStore,
+    normalised_embeddings,
     public_prototypes,
     public_speaker_store,
     public_store_from_features,
@@ -40,6 +42,7 @@ from fedvox.tasks.speakers.update import make_speaker_recon_update
 
 __all__ = [
     "CLASS_VECTORS",
+    "DOMAIN_CENTRE",
     "EXTRACTOR",
     "NEGATIVES",
     "NEGATIVE_MODES",
@@ -55,6 +58,7 @@ __all__ = [
     "enrollment_prototypes",
     "extractor_params",
     "make_speaker_recon_update",
+    "normalised_embeddings",
     "public_prototypes",
     "public_speaker_store",
     "public_store_from_features",
