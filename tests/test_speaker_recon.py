@@ -31,10 +31,12 @@ from fedvox.tasks.speakers import (
     DOMAIN_CENTRE,
     NEGATIVES,
     PROTOTYPES,
+    DomainClusters,
     FedAwSTask,
     PublicStore,
     SpeakerReconTask,
     Spreadout,
+    domain_clusters,
     make_speaker_recon_update,
     normalised_embeddings,
     public_prototypes,
@@ -513,3 +515,44 @@ def test_domain_centre_is_broadcast_per_version_and_changes_training() -> None:
     proto = task.closed_form_local(sent, batch, torch.ones(CHUNKS))[PROTOTYPES][0]
     e = F.normalize(F.normalize(task.embed(v0, batch["x"]), dim=-1) - centre, dim=-1)
     assert torch.allclose(proto, F.normalize(e.mean(0), dim=0), atol=1e-6)
+
+
+def test_domain_clusters_find_the_groups_and_drop_small_ones() -> None:
+    torch.manual_seed(0)
+    dim = 16
+    centres = F.normalize(torch.randn(3, dim), dim=-1)
+    sizes = (40, 25, 4)  # the third group is below min_size: never revealed
+    e = F.normalize(
+        torch.cat([c + 0.1 * torch.randn(n, dim) for c, n in zip(centres, sizes, strict=True)]),
+        dim=-1,
+    )
+    seeds = F.normalize(torch.randn(20, dim), dim=-1)  # the server's own vectors
+    got = domain_clusters(e, seeds, k=3, min_size=10)
+    assert len(got) == 2
+    # each kept centroid is the normalised mean of one big group, found from the seeds alone
+    want = [F.normalize(g.mean(0), dim=0) for g in (e[:40], e[40:65])]
+    for w in want:
+        assert max(float(c @ w) for c in got) > 0.999
+    assert torch.equal(got, domain_clusters(e, seeds, k=3, min_size=10))  # deterministic
+    with pytest.raises(ConfigError, match="panel"):
+        DomainClusters(torch.zeros(30, 1, dim), k=4, min_size=10)
+
+
+def test_device_clusters_are_appended_to_the_negatives() -> None:
+    pop, public, task = one_speaker_population(6), public_store(), make_task()
+    v0 = task.init_params()
+    jobs, cfg = [(c, 0) for c in range(6)], ClientConfig(batch_size=2, lr=0.03)
+    panel = pop.store["x"][::CHUNKS]
+    clusters = DomainClusters(panel, k=2, min_size=1)
+    got = make_speaker_recon_update(public, RECON, clusters=clusters)(
+        task, pop, jobs, [v0] * 6, cfg
+    )
+    assert set(got.delta) == set(v0)
+    pub = public_prototypes(task, v0, public)
+    cent = domain_clusters(normalised_embeddings(task, v0, panel), pub, k=2, min_size=1)
+    assert len(cent) >= 1
+    sent = {**v0, NEGATIVES: torch.cat([pub, cent])}
+    ref = train_clients_recon(task, pop, jobs, [sent] * 6, cfg, RECON)
+    assert all(torch.equal(got.delta[n], ref.delta[n]) for n in v0)
+    plain = make_speaker_recon_update(public, RECON)(task, pop, jobs, [v0] * 6, cfg)
+    assert not torch.equal(plain.delta["extractor.l1.weight"], got.delta["extractor.l1.weight"])

@@ -427,6 +427,16 @@ class ReconstructionSection(_Strict):
         "(from a panel of devices, secure-aggregated), public negatives on the public mean",
     )
     centre_panel: int = Field(200, ge=2, description="devices whose first chunk estimate it")
+    device_clusters: int = Field(
+        0,
+        ge=0,
+        description="device-domain negatives: k-means centroids of a device panel's embeddings "
+        "(federated k-means over secure-aggregated cluster sums), added to the public ones",
+    )
+    cluster_panel: int = Field(1000, ge=2, description="devices whose first chunk they cluster")
+    cluster_min_devices: int = Field(
+        10, ge=1, description="clusters with fewer panel devices are dropped (never revealed)"
+    )
 
     def recon_config(self) -> ReconConfig:
         """The engine's ReconConfig: closed-form enrollment, then `steps` SGD epochs."""

@@ -35,6 +35,7 @@ from fedvox.progress import task_progress
 from fedvox.records import EvalRecord, Record, ServerStepRecord, TripRecord, append_run_log
 from fedvox.rng import Purpose, derived_seed
 from fedvox.tasks.speakers import (
+    DomainClusters,
     FedAwSTask,
     ServerLearning,
     SpeakerReconTask,
@@ -220,13 +221,26 @@ def _local_speakers(
         raise ConfigError(
             "data.public", "no public speakers were prepared", "build the data with prepare(cfg)"
         )
-    panel = None
+
+    def panel_of(n: int) -> torch.Tensor:  # the first chunk of n devices spread over the list
+        pick = np.linspace(0, len(clients) - 1, min(n, len(clients))).astype(int)
+        return store["x"][[int(clients[c][0]) for c in pick]]
+
+    panel, clusters = None, None
     extra_down = public.broadcast_bytes(task.emb_dim)
-    if r.centre == "domain":  # the first chunk of centre_panel devices spread over the list
-        pick = np.linspace(0, len(clients) - 1, min(r.centre_panel, len(clients))).astype(int)
-        panel = store["x"][[int(clients[c][0]) for c in pick]]
+    if r.centre == "domain":
+        panel = panel_of(r.centre_panel)
         extra_down += 4 * task.emb_dim
-    update = make_speaker_recon_update(public, r.recon_config(), centre_panel=panel)
+    if r.device_clusters:
+        names = {"k": "device_clusters", "panel": "cluster_panel"}
+        with toml_paths({k: f"federated.reconstruction.{v}" for k, v in names.items()}):
+            clusters = DomainClusters(
+                panel_of(r.cluster_panel), r.device_clusters, r.cluster_min_devices
+            )
+        extra_down += 4 * task.emb_dim * r.device_clusters
+    update = make_speaker_recon_update(
+        public, r.recon_config(), centre_panel=panel, clusters=clusters
+    )
     return task, population, update, extra_down
 
 

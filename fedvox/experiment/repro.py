@@ -192,6 +192,15 @@ FINE_TUNE: dict[str, Any] = {
     "federated.server_final_lr": 0.02,
     "federated.local_lr": 0.01,
 }
+# Device-domain negatives without voiceprints: domain centring plus the centroids of a
+# spherical k-means of 1,000 panel devices' embeddings (32 clusters, each of >= 10 devices;
+# federated k-means needs only secure-aggregated per-cluster sums), so a direction shared by
+# devices that do not share a speaker (a device model's channel) is penalised.
+DEVICE_CLUSTERS: dict[str, Any] = {
+    "federated.reconstruction.centre": "domain",
+    "federated.reconstruction.device_clusters": 32,
+    "federated.reconstruction.cluster_panel": 1000,
+}
 # FedBuff from the public model: K = GAIN_BUFFER, GAIN_COHORT in flight (staleness ~C/K = 2).
 # Twice FedAvg's server steps over the same trips (K = 10 against a cohort of 20), so half
 # its server lr: the same step length per client trip.
@@ -243,6 +252,12 @@ STUDIES: dict[str, Study] = {
                 "ft-fedavg-centred",
                 {**LOCAL, **FINE_TUNE, "federated.reconstruction.centre": "domain"},
                 _LOCAL_SEES + " (and the mean embedding of a 200-device panel, aggregated)",
+            ),
+            Arm(
+                "ft-fedavg-clusters",
+                {**LOCAL, **FINE_TUNE, **DEVICE_CLUSTERS},
+                _LOCAL_SEES + " (and the centroids of 32 clusters of >= 10 panel devices, "
+                "each a secure-aggregated sum, and the panel's mean)",
             ),
             Arm(
                 "ft-fedavg-server-learning",

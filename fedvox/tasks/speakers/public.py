@@ -177,6 +177,58 @@ def public_prototypes(
     return F.normalize(sums, dim=-1)
 
 
+@dataclass(frozen=True)
+class DomainClusters:
+    """Device-domain negatives: k-means of a fixed panel's chunks [N, L, F], clusters of at
+    least `min_size` panel devices kept (each centroid an aggregate of that many)."""
+
+    panel: Tensor
+    k: int
+    min_size: int = 10
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.min_size < 1:
+            raise ConfigError(
+                "k", f"k = {self.k}, min_size = {self.min_size}", "use k >= 1 and min_size >= 1"
+            )
+        if self.k * self.min_size > len(self.panel):
+            raise ConfigError(
+                "panel",
+                f"{len(self.panel)} panel devices cannot fill {self.k} clusters of "
+                f">= {self.min_size}",
+                f"use a panel of at least {self.k * self.min_size} devices or fewer clusters",
+            )
+
+
+def domain_clusters(
+    e: Tensor, seeds: Tensor, k: int, min_size: int = 10, iters: int = 20
+) -> Tensor:
+    """Centroids [<=k, emb] of a spherical k-means of unit embeddings e [N, emb].
+
+    Initialised from k of the server's own unit vectors `seeds` (the public prototypes,
+    spread by farthest-point selection), so every Lloyd step needs only per-cluster sums and
+    counts of the devices' embeddings: what secure aggregation reveals in a deployment
+    (federated k-means). Clusters of fewer than `min_size` members are dropped. Deterministic:
+    no random draw, ties broken by index.
+    """
+    with torch.no_grad():
+        pick = [0]
+        best = seeds @ seeds[0]
+        for _ in range(1, min(k, len(seeds))):
+            j = int(torch.argmin(best))
+            pick.append(j)
+            best = torch.maximum(best, seeds @ seeds[j])
+        c = seeds[pick].clone()
+        counts = torch.zeros(len(c))
+        for _ in range(iters):
+            assign = torch.argmax(e @ c.transpose(0, 1), dim=1)
+            sums = torch.zeros_like(c).index_add_(0, assign, e)
+            counts = torch.bincount(assign, minlength=len(c)).to(e.dtype)
+            # an empty cluster keeps its centroid (it is dropped below if it stays small)
+            c = torch.where(counts.unsqueeze(1) > 0, F.normalize(sums, dim=-1), c)
+        return c[counts >= min_size]
+
+
 def with_negatives(task: Embedder, params: Params, public: PublicStore) -> Params:
     """Global params plus the public negatives of that version, as a client receives them
     (for fl.recon_eval with task.loss as a metric)."""

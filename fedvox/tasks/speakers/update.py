@@ -10,6 +10,8 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from fedvox.errors import ConfigError
@@ -19,7 +21,9 @@ from fedvox.tasks.speakers.prototypes import SpeakerReconTask
 from fedvox.tasks.speakers.public import (
     DOMAIN_CENTRE,
     NEGATIVES,
+    DomainClusters,
     PublicStore,
+    domain_clusters,
     normalised_embeddings,
     public_prototypes,
 )
@@ -36,6 +40,7 @@ def make_speaker_recon_update(
     recon: ReconConfig,
     cache_size: int = 256,
     centre_panel: Tensor | None = None,
+    clusters: DomainClusters | None = None,
 ) -> ClientUpdate:
     """A Simulator `client_update` for SpeakerReconTask (the task the simulator passes).
 
@@ -58,6 +63,10 @@ def make_speaker_recon_update(
     devices centre their embeddings on it and the public negatives are centred on the
     public speakers' own mean, so a direction shared by a whole domain cannot separate a
     device speaker from the public ones (docs/federated.md, "A common offset").
+
+    With `clusters` each version also appends device-domain negatives to NEGATIVES: the
+    centroids of a spherical k-means of a device panel's embeddings (domain_clusters), so a
+    direction that devices share without sharing a speaker (their channel) is penalised.
     """
     if not recon.closed_form:
         raise ConfigError(
@@ -71,13 +80,19 @@ def make_speaker_recon_update(
 
     def broadcast(task: SpeakerReconTask, st: Params) -> dict[str, Tensor]:
         assert public is not None
+        out: dict[str, Tensor] = {}
         if centre_panel is None:
-            return {NEGATIVES: public_prototypes(task, st, public)}
-        centre = normalised_embeddings(task, st, centre_panel).mean(0)
-        return {
-            NEGATIVES: public_prototypes(task, st, public, centred=True),
-            DOMAIN_CENTRE: centre,
-        }
+            neg = public_prototypes(task, st, public)
+        else:
+            out[DOMAIN_CENTRE] = normalised_embeddings(task, st, centre_panel).mean(0)
+            neg = public_prototypes(task, st, public, centred=True)
+        if clusters is not None:
+            e = normalised_embeddings(task, st, clusters.panel)
+            if DOMAIN_CENTRE in out:
+                e = F.normalize(e - out[DOMAIN_CENTRE], dim=-1)
+            neg = torch.cat([neg, domain_clusters(e, neg, clusters.k, clusters.min_size)])
+        out[NEGATIVES] = neg
+        return out
 
     def client_update(
         task: SpeakerReconTask,
