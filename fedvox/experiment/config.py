@@ -269,6 +269,13 @@ class FeaturesSection(_Strict):
     """Front end: Kaldi fbank, energy VAD, mean normalisation (Kaldi conventions; docs/verification.md)."""
 
     num_mel_bins: int = Field(30, ge=4, le=256)
+    frame_shift_ms: float = Field(
+        10.0,
+        ge=1.0,
+        le=25.0,
+        description="hop between 25 ms analysis frames (Kaldi's 10; 20 halves every frame "
+        "count downstream: features, model FLOPs, chunk_frames and cmn_window are in frames)",
+    )
     vad: bool = True
     cmn: Literal["sliding", "utterance", "none"] = "sliding"
     cmn_window: int = Field(300, ge=3)
@@ -278,7 +285,9 @@ class FeaturesSection(_Strict):
         from fedvox.data.features import CmnConfig, FbankConfig, FeatureConfig, VadConfig
 
         return FeatureConfig(
-            fbank=FbankConfig(num_mel_bins=self.num_mel_bins, dither=0.0),
+            fbank=FbankConfig(
+                num_mel_bins=self.num_mel_bins, frame_shift_ms=self.frame_shift_ms, dither=0.0
+            ),
             vad=VadConfig(enabled=self.vad),
             cmn=CmnConfig(mode=self.cmn, window=self.cmn_window),
         )
