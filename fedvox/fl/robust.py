@@ -57,11 +57,10 @@ def krum_scores(deltas: Params, byzantine: int) -> Tensor:
     nearest other updates (Blanchard et al. 2017); needs n > 2f + 2."""
     d2 = pairwise_sq_distances(deltas)
     n = d2.shape[0]
-    nearest = n - byzantine - 2
-    if nearest < 1:
+    if n <= 2 * byzantine + 2:
         raise ValueError(f"Krum needs n > 2f + 2 updates, got n={n}, f={byzantine}")
     d2.fill_diagonal_(math.inf)
-    return torch.sort(d2, dim=1).values[:, :nearest].sum(1)
+    return torch.sort(d2, dim=1).values[:, : n - byzantine - 2].sum(1)
 
 
 def krum(deltas: Params, byzantine: int, average: int = 1) -> tuple[Params, Tensor]:
