@@ -5,12 +5,16 @@ dropped under every algorithm, and one hostile client of five in the simulator."
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from test_federated_e2e import CFG
 from test_fl_toys import class_population, mlp_task
 from test_recon import LocalBiasTask, _shifted_population
+from typer.testing import CliRunner
 
+from fedvox.cli import app
 from fedvox.errors import ConfigError
 from fedvox.experiment.config import config_from_dict
 from fedvox.experiment.robust import build_robust
@@ -37,7 +41,7 @@ from fedvox.fl.robust import (
     trimmed_mean,
 )
 from fedvox.fl.simulator import plain_client_update
-from fedvox.records import ServerStepRecord
+from fedvox.records import ServerStepRecord, read_run_log
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -371,3 +375,17 @@ def test_median_and_krum_hold_one_hostile_client_of_five_where_the_mean_does_not
         robust = _dist(_five(Scaled(), rule), honest)
         # within what honest training moves in these 3 rounds, 4 orders below the mean's error
         assert robust < 0.75 * moved and robust < mean / 1000, rule
+
+
+def test_a_run_config_wires_norm_bound_and_krum_into_the_pipeline(tmp_path: Path) -> None:
+    text = CFG.format(algorithm="fedavg", cache=tmp_path / "cache", steps=2, seed=0)
+    text += '[federated.robust]\nrule = "krum"\nbyzantine = 0\nkrum_average = 2\nnorm_bound = 5.0\n'
+    (tmp_path / "c.toml").write_text(text)
+    out = tmp_path / "r"
+    res = CliRunner().invoke(app, ["train", str(tmp_path / "c.toml"), "--out", str(out), "-q"])
+    assert res.exit_code == 0, res.output
+    server = read_run_log(out / "metrics.jsonl", (ServerStepRecord,))
+    assert len(server) == 2
+    for r in server:
+        assert r.agg["norm_bound"] == 5.0 and r.agg["robust_inputs"] == 4.0
+        assert r.agg["robust_skipped"] == 0.0 and r.agg["nonfinite"] == 0.0
