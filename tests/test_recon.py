@@ -21,7 +21,7 @@ from fedvox.fl import (
     SimulatorConfig,
     train_clients,
 )
-from fedvox.fl.aggregation import plain_sum
+from fedvox.fl.aggregation import Aggregator, plain_sum
 from fedvox.fl.local import (
     ReconConfig,
     make_recon_update,
@@ -186,11 +186,15 @@ def test_non_finite_delta_gets_zero_weight() -> None:
     for vec in (True, False):
         cfg = ClientConfig(batch_size=2, lr=0.05, vectorised=vec)
         res = train_clients_recon(task, pop, [(0, 0), (1, 0), (2, 0)], [p0] * 3, cfg, ReconConfig())
-        assert res.num_examples[1] == 0 and torch.equal(
-            res.delta["w"][1], torch.zeros_like(p0["w"])
-        )
+        # the delta stays non-finite: the aggregator drops and counts it, whatever the weights
+        assert res.num_examples[1] == 0 and not torch.isfinite(res.delta["w"][1]).all()
         assert (res.num_examples[[0, 2]] > 0).all()
-        assert torch.isfinite(res.delta["w"]).all() and res.delta["w"][0].abs().sum() > 0
+        assert torch.isfinite(res.delta["w"][[0, 2]]).all() and res.delta["w"][0].abs().sum() > 0
+        agg = Aggregator(names=list(p0))
+        assert agg.accumulate(res.delta, torch.ones(3)).tolist() == [True, False, True]
+        total, weight, count = agg.result()
+        assert torch.isfinite(total["w"]).all() and weight == 2.0 and count == 2
+        assert agg.metrics()["nonfinite"] == 1.0
 
 
 def test_reconstruction_freezes_global_and_lowers_support_loss() -> None:

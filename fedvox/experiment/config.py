@@ -412,6 +412,39 @@ class PrivacySection(_Strict):
     )
 
 
+class RobustSection(_Strict):
+    """Robust aggregation against hostile or broken clients (fedvox.fl.robust; docs/federated.md).
+
+    `rule` replaces the server's weighted mean of a step's updates; `norm_bound` scales every
+    update to L2 norm ≤ the bound first and composes with any rule, secure aggregation and DP.
+    Median, trimmed mean and Krum need each single update, so they are refused with secure
+    aggregation, with DP noise (calibrated to a sum, not to them) and with FedAsync (one
+    update per step); Krum is refused when a step cannot hold more than 2f + 2 updates.
+    """
+
+    rule: Literal["mean", "median", "trimmed_mean", "krum"] = Field(
+        "mean",
+        description="mean: the algorithm's weighted mean (unchanged); median: coordinate-wise "
+        "median; trimmed_mean: drop the trim fraction from each side per coordinate; krum: "
+        "(multi-)Krum. Robust rules count each update once (weights ignored, zero-weight "
+        "updates dropped)",
+    )
+    trim: float = Field(
+        0.1, ge=0, lt=0.5, description="trimmed_mean: fraction β cut from each side"
+    )
+    byzantine: int = Field(
+        1, ge=0, description="krum: f, the hostile updates per step tolerated (needs n > 2f + 2)"
+    )
+    krum_average: int = Field(
+        1, ge=1, description="krum: m, average the m best-scored updates (1 = Krum; <= n − f)"
+    )
+    norm_bound: float = Field(
+        0.0,
+        ge=0,
+        description="scale each update to L2 norm <= this (all parameters jointly); 0 = off",
+    )
+
+
 class ReconstructionSection(_Strict):
     """Speakers as local parameters (`speakers = "local"`, Federated Reconstruction).
 
@@ -543,6 +576,7 @@ class FederatedSection(_Strict):
     )
     partition: PartitionSection = PartitionSection()
     privacy: PrivacySection = PrivacySection()
+    robust: RobustSection = RobustSection()
     reconstruction: ReconstructionSection = ReconstructionSection()
     fedaws: FedAwSSection = FedAwSSection()
     server_learning: ServerLearningSection | None = None
@@ -635,6 +669,9 @@ class FederatedSection(_Strict):
         self.client_config()
         self.simulator_config(seed=0)
         self.algorithm_object(self.server_optimizer_object())
+        from fedvox.experiment.robust import check_robust
+
+        check_robust(self)
         self.reconstruction.recon_config()
         self.partition.partition_config()
 

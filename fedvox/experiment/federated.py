@@ -26,6 +26,7 @@ from fedvox.experiment.config import (
 from fedvox.experiment.evaluate import quick_eval
 from fedvox.experiment.prepare import InitModel, PreparedData
 from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
+from fedvox.experiment.robust import build_robust
 from fedvox.experiment.runfolder import RunFolder, count_lines, truncate_lines
 from fedvox.fl import Algorithm, Population, Simulator
 from fedvox.fl.simulator import SimRecord
@@ -122,6 +123,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     if f.server_learning is not None:
         algorithm = _server_learning(cfg, data, task, algorithm)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
+    robust = build_robust(f)  # refused with secure aggregation, so one summer at most
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
         sim = Simulator(
@@ -131,8 +133,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
             f.client_config(),
             f.simulator_config(cfg.seed, once_per_epoch=privacy.mechanism == "dp_ftrl"),
             callback=setup.records.append,
-            stages=privacy.stages,
-            summer=privacy.summer,
+            stages=robust.stages + privacy.stages,  # bound each update, then DP-clip it
+            summer=robust.combiner or privacy.summer,
             noise=privacy.noise,
             client_update=client_update,
             extra_bytes_down=extra_bytes_down,

@@ -1,12 +1,14 @@
 """Aggregation primitives: broadcast, client delta, weighted sum (a pipeline of stages).
 
 Between the client update (fl/local/) and the server optimiser (fl/server_opt.py).
-Algorithms only choose weights and how to turn (sum, total weight) into Δ̄; clipping,
-secure summation and DP noise will be `SumStage`s here, invisible to the algorithms.
+Algorithms only choose weights and how to turn (sum, total weight) into Δ̄; non-finite
+updates are dropped first, then clipping, secure summation, robust combining and DP noise
+are stages here, invisible to the algorithms.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -14,6 +16,8 @@ import torch
 from torch import Tensor
 
 from fedvox.types import Params
+
+log = logging.getLogger(__name__)
 
 
 def broadcast(versions: dict[int, Params], version: int, names: Sequence[str]) -> Params:
@@ -41,6 +45,24 @@ def weighted_sum(deltas: Params, weights: Tensor) -> Params:
     return {n: torch.tensordot(weights.to(d.dtype), d, dims=1) for n, d in deltas.items()}
 
 
+def finite_rows(deltas: Params, weights: Tensor) -> Tensor:
+    """Which clients sent a wholly finite delta (and weight): a bool per leading row.
+
+    A float64 row sum is non-finite exactly when the row holds a NaN or ±Inf (float32 values
+    cannot overflow it), and it needs no per-element temporary as isfinite() would.
+    """
+    ok = torch.isfinite(weights.to(torch.float64))
+    for d in deltas.values():
+        ok &= torch.isfinite(d.reshape(d.shape[0], -1).sum(1, dtype=torch.float64))
+    return ok
+
+
+def select_rows(deltas: Params, weights: Tensor, keep: Tensor) -> tuple[Params, Tensor]:
+    """The stacked deltas and weights of the rows where `keep` is True (a copy)."""
+    idx = keep.nonzero().flatten()
+    return {n: d.index_select(0, idx) for n, d in deltas.items()}, weights.index_select(0, idx)
+
+
 class SumStage(Protocol):
     """A per-client stage applied to stacked deltas before they are summed (clip, quantise).
 
@@ -61,6 +83,19 @@ class Summer(Protocol):
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, float, int]: ...
 
 
+class Combiner(Protocol):
+    """A summer that needs every update of a server step at once (median, trimmed mean, Krum).
+
+    `add` buffers a batch of stacked deltas (possibly of 0 rows); `combine` returns
+    (aggregate × Σw, Σw, count) over what was buffered this step (zeros, 0, 0 if no row was)
+    and empties the buffer, so the algorithms' Σ/Σw (or Σ/K) arithmetic is unchanged.
+    """
+
+    def add(self, deltas: Params, weights: Tensor) -> None: ...
+
+    def combine(self) -> tuple[Params, float, int]: ...
+
+
 class NoiseStage(Protocol):
     """A stage on the aggregated sum, before the server optimiser (DP noise, DP-FTRL tree)."""
 
@@ -73,33 +108,45 @@ def plain_sum(deltas: Params, weights: Tensor) -> tuple[Params, float, int]:
 
 
 class Aggregator:
-    """The aggregation pipeline: per-client stages → sum → noise stages → (Σ, Σw, count).
+    """The aggregation pipeline: drop non-finite → per-client stages → sum → noise stages.
 
     `names` fixes the parameters it accepts: a delta with any other key (e.g. a parameter
     kept local on the device, Federated Reconstruction) is refused, so a local parameter
-    structurally cannot reach the server's sum.
+    structurally cannot reach the server's sum. A client whose delta or weight holds a NaN
+    or Inf is dropped before any stage (as if it had not sent), counted as `nonfinite` in
+    the step's metrics and logged: no algorithm can receive it. `summer` may be a Combiner
+    (robust rules), which sees the whole step's updates at result().
     """
 
     def __init__(
         self,
         stages: Sequence[SumStage] = (),
         names: Sequence[str] | None = None,
-        summer: Summer | None = None,
+        summer: Summer | Combiner | None = None,
         noise: Sequence[NoiseStage] = (),
     ) -> None:
         self.stages = list(stages)
         self.names = None if names is None else frozenset(names)
-        self.summer: Summer = summer if summer is not None else plain_sum
+        self.summer: Summer | Combiner = summer if summer is not None else plain_sum
         self.noise = list(noise)
+        self._last_nonfinite = 0
         self.reset()
 
     def reset(self) -> None:
         self.total: Params | None = None
         self.weight = 0.0
         self.count = 0
+        self.nonfinite = 0  # clients dropped for a non-finite update this step
+        self.accumulated = False
 
-    def accumulate(self, deltas: Params, weights: Tensor) -> None:
-        """Add a batch of client deltas (stacked, leading axis = client) with their weights."""
+    @property
+    def combines(self) -> bool:
+        """Whether the summer is a Combiner (needs the whole step's updates at once)."""
+        return hasattr(self.summer, "combine")
+
+    def accumulate(self, deltas: Params, weights: Tensor) -> Tensor:
+        """Add a batch of client deltas (stacked, leading axis = client) with their weights;
+        returns which rows were kept (False: dropped for a non-finite delta or weight)."""
         if self.names is not None and set(deltas) != self.names:
             extra = sorted(set(deltas) - self.names)
             missing = sorted(self.names - set(deltas))
@@ -107,21 +154,48 @@ class Aggregator:
                 f"aggregator refuses this update: unexpected parameters {extra}, "
                 f"missing {missing} (only global parameters may be aggregated)"
             )
+        self.accumulated = True
+        keep = finite_rows(deltas, weights)
+        if not bool(keep.all()):
+            dropped = int((~keep).sum())
+            self.nonfinite += dropped
+            log.warning("aggregator dropped %d client update(s) holding NaN or Inf", dropped)
+            if self.total is None:  # what the step sums to if nobody is left
+                self.total = {n: d.new_zeros(d.shape[1:]) for n, d in deltas.items()}
+            deltas, weights = select_rows(deltas, weights, keep)
+        if self.combines:
+            if weights.numel():
+                for stage in self.stages:
+                    deltas, weights = stage(deltas, weights)
+            self.summer.add(deltas, weights)  # type: ignore[union-attr]
+            return keep
+        if not weights.numel():  # nothing left to sum (a secure sum of 0 inputs would abort)
+            return keep
         for stage in self.stages:
             deltas, weights = stage(deltas, weights)
-        part, weight, count = self.summer(deltas, weights)
+        part, weight, count = self.summer(deltas, weights)  # type: ignore[operator]
         if self.total is None:
             self.total = part
         else:
             self.total = {n: self.total[n] + part[n] for n in part}
         self.weight += weight
         self.count += count
+        return keep
 
     def result(self) -> tuple[Params, float, int]:
-        """(Σ w_i Δ_i + noise, Σ w_i, number of updates); resets for the next server step."""
+        """(Σ w_i Δ_i + noise, Σ w_i, number of updates); resets for the next server step.
+
+        With a Combiner the sum is (robust aggregate) × Σ w_i. A step whose every update
+        was dropped sums to zeros with weight 0 (the algorithms then leave the model as is).
+        """
+        if not self.accumulated:
+            raise RuntimeError("aggregator is empty")
+        if self.combines:
+            self.total, self.weight, self.count = self.summer.combine()  # type: ignore[union-attr]
         if self.total is None:
             raise RuntimeError("aggregator is empty")
         total, weight, count = self.total, self.weight, self.count
+        self._last_nonfinite = self.nonfinite
         for stage in self.noise:
             total, weight = stage(total, weight, count)
         for stage in [*self.stages, self.summer, *self.noise]:
@@ -134,7 +208,7 @@ class Aggregator:
     def metrics(self) -> dict[str, float]:
         """What the stages report about the last server step (e.g. clip_norm,
         fraction_clipped); a server-step record stores them as agg_<name>."""
-        out: dict[str, float] = {}
+        out: dict[str, float] = {"nonfinite": float(self._last_nonfinite)}
         for stage in [*self.stages, self.summer, *self.noise]:
             last = getattr(stage, "last_metrics", None)
             if last is not None:
@@ -147,12 +221,21 @@ class Aggregator:
     def state_dict(self) -> dict[str, Any]:
         total = None if self.total is None else {n: t.clone() for n, t in self.total.items()}
         stages = [s.state_dict() for s in self._stateful()]
-        return {"total": total, "weight": self.weight, "count": self.count, "stages": stages}
+        return {
+            "total": total,
+            "weight": self.weight,
+            "count": self.count,
+            "nonfinite": self.nonfinite,
+            "accumulated": self.accumulated,
+            "stages": stages,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         total = state["total"]
         self.total = None if total is None else {n: t.clone() for n, t in total.items()}
         self.weight = float(state["weight"])
         self.count = int(state["count"])
+        self.nonfinite = int(state.get("nonfinite", 0))
+        self.accumulated = bool(state.get("accumulated", total is not None))
         for stage, st in zip(self._stateful(), state.get("stages", []), strict=False):
             stage.load_state_dict(st)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedvox.errors import ConfigError
-from fedvox.fl.aggregation import Aggregator, NoiseStage, Summer, SumStage
+from fedvox.fl.aggregation import Aggregator, Combiner, NoiseStage, Summer, SumStage
 from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
 from fedvox.fl.local import ClientConfig, ClientResults, Task, train_clients
@@ -87,7 +87,7 @@ class Simulator:
         callback: Callable[[SimRecord], None] | None = None,
         stages: list[SumStage] | None = None,
         client_update: ClientUpdate | None = None,
-        summer: Summer | None = None,
+        summer: Summer | Combiner | None = None,
         noise: list[NoiseStage] | None = None,
         extra_bytes_down: int = 0,
     ) -> None:
@@ -369,8 +369,10 @@ class Simulator:
         results = self.client_update(self.task, self.population, jobs, starts, self.client)
         staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
         weights = self.algorithm.client_weights(results.num_examples, staleness)
-        self.aggregator.accumulate(results.delta, weights)
+        kept = self.aggregator.accumulate(results.delta, weights)
         total, weight, count = self.aggregator.result()
+        # the step's loss is over the updates it kept (a dropped, diverged client's is NaN)
+        loss = results.loss if bool(kept.all()) else results.loss[kept]
         # achieved concurrency: trips under way when this step's last update arrived (a
         # synchronous round's cohort; for async, the in-flight ones plus the arrival itself)
         if self.algorithm.barrier:
@@ -405,7 +407,7 @@ class Simulator:
                 virtual_time_s=time,
                 trips=c["trips_completed"],
                 updates=count,
-                loss=float(results.loss.mean()),
+                loss=float(loss.mean()),
                 staleness=tuple(it["staleness"] for it in items),
                 concurrency=concurrency,
                 bytes_down=c["bytes_down"],

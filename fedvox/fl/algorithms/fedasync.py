@@ -60,6 +60,8 @@ class FedAsync(Algorithm):
         starts: Sequence[Params],
         staleness: Tensor,
     ) -> Params:
+        if weight == 0:  # the update was dropped (non-finite): Σ/Σw would be 0/0
+            return {n: t.clone() for n, t in params.items()}
         s = staleness_weight(staleness, self.staleness, self.staleness_a, self.staleness_b)
         a = self.alpha * float(s[0])
         start = starts[0]

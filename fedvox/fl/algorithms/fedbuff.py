@@ -69,5 +69,7 @@ class FedBuff(Algorithm):
         starts: Sequence[Params],
         staleness: Tensor,
     ) -> Params:
+        if weight == 0:  # every update was dropped (non-finite, or a skipped robust step)
+            return {n: t.clone() for n, t in params.items()}
         mean = {n: t / self.buffer_size for n, t in total.items()}
         return self.server_opt.step(params, mean)

@@ -117,7 +117,8 @@ def train_clients_recon(
     local params (init_local), reconstruction on support with the global params frozen, then
     ClientConfig's epochs of SGD on query over the global params with the local ones frozen
     (unless joint). Δ = w_start − w_local over GLOBAL names only; num_examples = epochs × query
-    examples (train_clients' convention); a non-finite Δ is zeroed with num_examples 0.
+    examples (train_clients' convention); a non-finite Δ gets num_examples 0 and is left as it
+    is, for the aggregator to drop and count (fl/aggregation.py) whatever the weighting.
     """
     check_recon_task(task, recon)
     names = list(starts[0])
@@ -155,10 +156,6 @@ def train_clients_recon(
     finite = torch.ones(k, dtype=torch.bool)
     for t in delta.values():
         finite &= torch.isfinite(t.reshape(k, -1)).all(1)
-    if not bool(finite.all()):
-        # a diverged client must not poison the sum: zero update, zero weight
-        for t in delta.values():
-            t[~finite] = 0.0
     loss = loss_sum / n_examples.clamp_min(1).to(loss_sum.dtype)
     return ClientResults(delta, torch.where(finite, n_examples, 0), loss)
 
