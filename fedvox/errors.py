@@ -43,3 +43,17 @@ class ConfigError(FedvoxError, ValueError):
         where = f"{source}: " if source else ""
         tail = f". Fix: {fix}" if fix else ""
         super().__init__(f"{where}field '{field}': {problem}{tail}")
+
+
+class StepSkipped(FedvoxError):
+    """A server step's aggregate could not be formed, and the run was told to go on without it.
+
+    Raised by a summer (e.g. secure aggregation aborted below its threshold with
+    on_abort = "skip"); the simulator leaves the model unchanged for that step, logs the
+    reason and stores `metrics` in the step's record.
+    """
+
+    def __init__(self, reason: str, metrics: dict[str, float] | None = None) -> None:
+        self.reason = reason
+        self.metrics = dict(metrics or {})
+        super().__init__(reason)

@@ -394,7 +394,7 @@ def test_securesum_as_the_aggregators_summer() -> None:
     for name in ref:
         assert float((total[name] - ref[name]).abs().max()) < 9 * 2.0**-22 + 1e-6
     state = agg.state_dict()
-    assert state["stages"] == [{"calls": 2, "seed": 0}]
+    assert state["stages"] == [{"calls": 2, "seed": 0, "aborted": 0}]
 
 
 def test_securesum_refuses_a_single_client() -> None:

@@ -410,6 +410,19 @@ class PrivacySection(_Strict):
     secagg_scale_bits: int | None = Field(
         None, ge=1, le=30, description="fixed-point bits; None = the most that fit the ring"
     )
+    secagg_on_abort: Literal["skip", "stop"] = Field(
+        "skip",
+        description="when too few clients survive a secure sum (below the threshold): skip "
+        "that server step (model unchanged, logged, counted as agg_secagg_aborted) and go on, "
+        "or stop the run with the protocol's error. A protocol violation (a malformed or "
+        "inconsistent message: a bug or an attack) always stops",
+    )
+    secagg_consistency_check: bool = Field(
+        False,
+        description="against a malicious server: clients sign their advertised keys (Ed25519 "
+        "identity keys registered at setup) and, before revealing shares, check that t clients "
+        "signed the same surviving set (Bonawitz et al. 2017 ConsistencyCheck round)",
+    )
 
 
 class RobustSection(_Strict):

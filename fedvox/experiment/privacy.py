@@ -126,6 +126,8 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             neighbours=p.secagg_neighbours,
             dropout=p.secagg_dropout,
             seed=derived_seed(seed, Purpose.SECAGG_SESSION),
+            on_abort=p.secagg_on_abort,
+            consistency_check=p.secagg_consistency_check,
         )
         config.check_capacity(cohort)
         pipe.summer = SecureSum(config)

@@ -30,7 +30,7 @@ from fedvox.experiment.prepare import PreparedData, prepare
 from fedvox.experiment.report import write_report
 from fedvox.experiment.runfolder import RunFolder, load_run_model
 from fedvox.models.io import save_model, weights_hash
-from fedvox.records import EvalRecord, TrainRecord, read_run_log
+from fedvox.records import EvalRecord, ServerStepRecord, TrainRecord, read_run_log
 from fedvox.training.centralised import (
     CentralisedConfig,
     ModelConfig,
@@ -130,8 +130,11 @@ def _evaluate_and_finish(
     return finish_run(run, cfg, result, backend, baseline, time.perf_counter() - t0, extractor)
 
 
-def _privacy_note(cfg: ExperimentConfig, curve: list[EvalRecord]) -> tuple[str, dict] | None:
-    """The privacy line of the report and its JSON, for federated runs with DP or SecAgg."""
+def _privacy_note(
+    cfg: ExperimentConfig, curve: list[EvalRecord], steps: list[ServerStepRecord] | None = None
+) -> tuple[str, dict] | None:
+    """The privacy line of the report and its JSON, for federated runs with DP or SecAgg;
+    `steps` (the server-step records) give the count of secure sums skipped after an abort."""
     if cfg.federated is None:
         return None
     p = cfg.federated.privacy
@@ -147,6 +150,11 @@ def _privacy_note(cfg: ExperimentConfig, curve: list[EvalRecord]) -> tuple[str, 
         "accounting": p.accounting if p.mechanism != "none" else None,
         "secure_aggregation": p.secure_aggregation,
     }
+    skipped = sum(int(r.agg.get("secagg_aborted", 0)) for r in steps or [])
+    if p.secure_aggregation:
+        info["secagg_on_abort"] = p.secagg_on_abort
+        info["secagg_consistency_check"] = p.secagg_consistency_check
+        info["secagg_aborted_steps"] = skipped
     parts = []
     if p.mechanism != "none":
         parts.append(
@@ -156,7 +164,15 @@ def _privacy_note(cfg: ExperimentConfig, curve: list[EvalRecord]) -> tuple[str, 
             else f"user-level DP ({p.mechanism}): no server step yet"
         )
     if p.secure_aggregation:
-        parts.append("secure aggregation: the server saw only masked updates and their sum")
+        note = "secure aggregation: the server saw only masked updates and their sum"
+        if p.secagg_consistency_check:
+            note += " (signed keys and consistency check against a malicious server)"
+        if skipped:
+            note += (
+                f"; {skipped} of {len(steps or [])} server steps skipped (fewer survivors than "
+                "the threshold; model unchanged)"
+            )
+        parts.append(note)
     return "privacy: " + "; ".join(parts), info
 
 
@@ -183,7 +199,9 @@ def finish_run(
     whash = weights_hash(extractor)
     summary["weights_sha256"] = whash
     curve = read_run_log(run.metrics_path, (EvalRecord,))
-    privacy_note = _privacy_note(cfg, curve)
+    secagg = cfg.federated is not None and cfg.federated.privacy.secure_aggregation
+    steps = read_run_log(run.metrics_path, (ServerStepRecord,)) if secagg else []
+    privacy_note = _privacy_note(cfg, curve, steps)
     if privacy_note is not None:
         summary["privacy"] = privacy_note[1]
     atomic_write_text(

@@ -67,7 +67,8 @@ class SumStage(Protocol):
     """A per-client stage applied to stacked deltas before they are summed (clip, quantise).
 
     May also define `end_step(count)` (called once per server step, after the sum, e.g. for
-    adaptive clipping) and `state_dict()` / `load_state_dict()` (saved with the simulator).
+    adaptive clipping), `discard_step()` (the step was skipped: forget what it saw) and
+    `state_dict()` / `load_state_dict()` (saved with the simulator).
     """
 
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, Tensor]: ...
@@ -77,7 +78,8 @@ class Summer(Protocol):
     """Turns stacked deltas and weights into (Σ w_i Δ_i, Σ w_i, number of inputs summed).
 
     The plain summer is `weighted_sum`; secure aggregation replaces it with a protocol whose
-    server only ever sees masked inputs. Fewer inputs than given may survive (dropouts).
+    server only ever sees masked inputs. Fewer inputs than given may survive (dropouts); when
+    no sum can be formed it may raise fedvox.errors.StepSkipped (see Aggregator.skip_step).
     """
 
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, float, int]: ...
@@ -130,6 +132,7 @@ class Aggregator:
         self.summer: Summer | Combiner = summer if summer is not None else plain_sum
         self.noise = list(noise)
         self._last_nonfinite = 0
+        self._last_skip: dict[str, float] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -196,6 +199,7 @@ class Aggregator:
             raise RuntimeError("aggregator is empty")
         total, weight, count = self.total, self.weight, self.count
         self._last_nonfinite = self.nonfinite
+        self._last_skip = {}
         for stage in self.noise:
             total, weight = stage(total, weight, count)
         for stage in [*self.stages, self.summer, *self.noise]:
@@ -205,6 +209,17 @@ class Aggregator:
         self.reset()
         return total, weight, count
 
+    def skip_step(self, metrics: dict[str, float] | None = None) -> None:
+        """Drop the step whose sum could not be formed (the summer raised StepSkipped): no
+        noise is drawn, stages forget what they saw, and `metrics` join the step's metrics."""
+        self._last_nonfinite = self.nonfinite
+        self._last_skip = dict(metrics or {})
+        for stage in [*self.stages, self.summer, *self.noise]:
+            discard = getattr(stage, "discard_step", None)
+            if discard is not None:
+                discard()
+        self.reset()
+
     def metrics(self) -> dict[str, float]:
         """What the stages report about the last server step (e.g. clip_norm,
         fraction_clipped); a server-step record stores them as agg_<name>."""
@@ -213,6 +228,7 @@ class Aggregator:
             last = getattr(stage, "last_metrics", None)
             if last is not None:
                 out.update(last())
+        out.update(self._last_skip)
         return out
 
     def _stateful(self) -> list[Any]:

@@ -7,6 +7,7 @@ client trips are events; synchronous FL is the same loop with a barrier per roun
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedvox.errors import ConfigError
+from fedvox.errors import ConfigError, StepSkipped
 from fedvox.fl.aggregation import Aggregator, Combiner, NoiseStage, Summer, SumStage
 from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
@@ -43,6 +44,8 @@ def plain_client_update(
     """The default client update: local SGD on every parameter the server sends."""
     return train_clients(task, population, jobs, starts, cfg)
 
+
+log = logging.getLogger(__name__)
 
 # Rejection-sampling tries before an async selection falls back to scanning every client.
 _SELECT_TRIES = 64
@@ -127,6 +130,7 @@ class Simulator:
             "dropped_out": 0,
             "stale": 0,
             "cancelled": 0,
+            "skipped_steps": 0,  # server steps whose sum could not be formed (model unchanged)
         }
         self.round = {"id": 0, "outstanding": 0}
         self.retry_pending = False
@@ -369,8 +373,17 @@ class Simulator:
         results = self.client_update(self.task, self.population, jobs, starts, self.client)
         staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
         weights = self.algorithm.client_weights(results.num_examples, staleness)
-        kept = self.aggregator.accumulate(results.delta, weights)
-        total, weight, count = self.aggregator.result()
+        try:
+            kept = self.aggregator.accumulate(results.delta, weights)
+            total, weight, count = self.aggregator.result()
+            skipped = None
+        except StepSkipped as err:  # e.g. secure aggregation aborted below its threshold
+            self.aggregator.skip_step(err.metrics)
+            self.counters["skipped_steps"] += 1
+            log.warning(
+                "server step %d skipped, model unchanged: %s", self.server_step + 1, err.reason
+            )
+            kept, count, skipped = torch.isfinite(results.loss), 0, err
         # the step's loss is over the updates it kept (a dropped, diverged client's is NaN)
         loss = results.loss if bool(kept.all()) else results.loss[kept]
         # achieved concurrency: trips under way when this step's last update arrived (a
@@ -379,8 +392,11 @@ class Simulator:
             concurrency = len(items) + len(self.in_flight)
         else:
             concurrency = len(self.in_flight) + 1
-        new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
-        new = {n: t.detach() for n, t in new.items()}
+        if skipped is None:
+            new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
+            new = {n: t.detach() for n, t in new.items()}
+        else:
+            new = dict(self.params)  # the same tensors: nothing was applied
         old = self.server_step
         self.server_step += 1
         self.versions[self.server_step] = new
@@ -458,7 +474,7 @@ class Simulator:
         self.refs = {int(v): int(r) for v, r in state["refs"].items()}
         self.in_flight = {int(k): dict(v) for k, v in copy.deepcopy(state["in_flight"]).items()}
         self.pending = copy.deepcopy(state["pending"])
-        self.counters = dict(state["counters"])
+        self.counters = {"skipped_steps": 0, **state["counters"]}
         self.client_trips = {int(c): int(n) for c, n in state["client_trips"].items()}
         self.round = dict(state["round"])
         self.retry_pending = bool(state["retry_pending"])

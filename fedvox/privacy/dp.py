@@ -112,6 +112,10 @@ class FixedClip:
     def end_step(self, count: int) -> None:
         self._close_metrics()
 
+    def discard_step(self) -> None:
+        """The step was skipped (its sum never formed): its norms are neither counted nor shown."""
+        self._norms = []
+
     def last_metrics(self) -> dict[str, float]:
         """The last finished step: clip norm used, update norms, fraction of clients clipped."""
         return dict(self._last)

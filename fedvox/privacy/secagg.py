@@ -3,11 +3,12 @@
 A `Summer` for the aggregation pipeline (fl/aggregation.py): clients send quantised, masked
 updates, and the server learns only Σ w_i Δ_i and Σ w_i of the survivors, even after dropouts.
 
-Rounds: AdvertiseKeys → ShareKeys → MaskedInputCollection → Unmasking. Parties exchange only
-the message dataclasses below (ints and bytes) through the server, so the same classes can run
-over a network. Threat model: honest-but-curious server and clients. The ConsistencyCheck round
-and signatures of the actively secure variant are not implemented; each client still refuses,
-on its own, to reveal both kinds of share for one peer.
+Rounds: AdvertiseKeys → ShareKeys → MaskedInputCollection → (ConsistencyCheck) → Unmasking.
+Parties exchange only the message dataclasses below (ints and bytes) through the server, so the
+same classes can run over a network. Threat model: honest-but-curious server by default; with
+registered Ed25519 identity keys (`ProtocolParams.verify_keys`) the advertised keys are signed
+and the ConsistencyCheck round of the actively secure variant runs, so a server that forges
+keys or equivocates about the surviving set is caught before any share is revealed.
 """
 
 from __future__ import annotations
@@ -24,34 +25,47 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from cryptography.exceptions import InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
-from fedvox.errors import ConfigError, FedvoxError
+from fedvox.errors import ConfigError, FedvoxError, StepSkipped
 from fedvox.privacy import shamir
 from fedvox.rng import Purpose, derived_rng
 from fedvox.types import Params
 
 KEY_BYTES = 32
+SIGNATURE_BYTES = 64
 SHARE_BYTES = shamir.share_size(KEY_BYTES)
 # Up to this many clients "auto" uses the full graph (plain Bonawitz): it is cheap there and
 # every client's secrets are spread over everyone.
 AUTO_FULL_GRAPH_MAX = 20
 # Stages a simulated client can stop after ("start": it never takes part).
-STAGES = ("start", "advertise_keys", "share_keys", "masked_input", "unmask")
+STAGES = ("start", "advertise_keys", "share_keys", "masked_input", "consistency_check", "unmask")
 
 
 class SecAggAbort(FedvoxError):
-    """The protocol stopped cleanly: too few clients alive, or a party saw an invalid message."""
+    """The protocol stopped cleanly: too few clients alive, or a party saw an invalid message.
+
+    `alive` and `threshold` say how many clients were left against t, where that was the cause.
+    """
+
+    def __init__(
+        self, message: str, alive: int | None = None, threshold: int | None = None
+    ) -> None:
+        self.alive = alive
+        self.threshold = threshold
+        super().__init__(message)
 
 
 class SecAggViolation(SecAggAbort):
-    """A client refused a request that would break privacy (e.g. both shares for one peer)."""
+    """A client refused a message that would break privacy (both shares for one peer, a forged
+    key, an equivocated surviving set): a bug or an attack, never a dropout."""
 
 
 # --------------------------------------------------------------------------- configuration
@@ -68,6 +82,9 @@ class SecAggConfig:
     neighbours: None = everyone (Bonawitz), int k = SecAgg+ with a k-regular Harary graph,
         "auto" = everyone up to 20 clients, else k = 2⌈log2 n⌉.
     dropout, dropout_after: simulated protocol-level dropouts (probability and stage).
+    on_abort: "stop" raises SecAggAbort when too few clients are left; "skip" raises
+        StepSkipped instead, so a simulator can skip the step. Violations always raise.
+    consistency_check: signed advertised keys and the ConsistencyCheck round (malicious server).
     """
 
     threshold: float | int = 2 / 3
@@ -79,6 +96,8 @@ class SecAggConfig:
     dropout: float = 0.0
     dropout_after: Literal["share_keys", "masked_input"] = "share_keys"
     seed: int = 0
+    on_abort: Literal["stop", "skip"] = "stop"
+    consistency_check: bool = False
 
     def __post_init__(self) -> None:
         t = self.threshold
@@ -111,6 +130,12 @@ class SecAggConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError("secagg.seed", f"{self.seed!r} is not an int >= 0", "use e.g. 0")
+        if self.on_abort not in ("stop", "skip"):
+            raise ConfigError("secagg.on_abort", f"{self.on_abort!r}", "use 'skip' or 'stop'")
+        if not isinstance(self.consistency_check, bool):
+            raise ConfigError(
+                "secagg.consistency_check", f"{self.consistency_check!r}", "use true or false"
+            )
         self.check_capacity(2)
 
     @property
@@ -256,23 +281,49 @@ def _pair(sender: int, receiver: int) -> bytes:
     return struct.pack(">II", sender, receiver)
 
 
+def advert_signed_bytes(session: bytes, sender: int, c_public: bytes, s_public: bytes) -> bytes:
+    """What a client signs in AdvertiseKeys: its id and both public keys, bound to the session."""
+    return b"fedvox/secagg/advertise/" + session + struct.pack(">I", sender) + c_public + s_public
+
+
+def survivors_signed_bytes(session: bytes, survivors: Sequence[int]) -> bytes:
+    """What a client signs in ConsistencyCheck: the surviving set U3, bound to the session."""
+    ids = sorted(survivors)
+    return b"fedvox/secagg/consistency/" + session + struct.pack(f">I{len(ids)}I", len(ids), *ids)
+
+
+def signature_valid(public: bytes, signature: bytes, data: bytes) -> bool:
+    """Whether `signature` is a valid Ed25519 signature of `data` under the raw `public` key."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 # --------------------------------------------------------------------------- messages
 
 
 @dataclass(frozen=True)
 class AdvertiseKeys:
-    """Round 0, client → server: public keys for mask agreement (c) and share encryption (s)."""
+    """Round 0, client → server: public keys for mask agreement (c) and share encryption (s).
+
+    `signature`: Ed25519 over both keys under the client's registered identity (b"" unsigned).
+    """
 
     sender: int
     c_public: bytes
     s_public: bytes
+    signature: bytes = b""
 
 
 @dataclass(frozen=True)
 class KeyBroadcast:
-    """Round 0, server → client: the public keys of the client's share group that arrived."""
+    """Round 0, server → client: the public keys of the client's share group that arrived,
+    with their senders' signatures when the protocol is signed."""
 
     keys: dict[int, tuple[bytes, bytes]]
+    signatures: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -293,11 +344,30 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class ConsistencyRequest:
+    """ConsistencyCheck, server → client: the surviving set U3 (whose masked input arrived)."""
+
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConsistencySignature:
+    """ConsistencyCheck, client → server: Ed25519 over (session, U3) as this client saw it."""
+
+    sender: int
+    signature: bytes
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
-    """Round 3, server → client: whose self-mask shares and whose key shares to reveal."""
+    """Round 3, server → client: whose self-mask shares and whose key shares to reveal.
+
+    `signatures`: with the consistency check, every signature over U3 the server received.
+    """
 
     survivors: tuple[int, ...]
     dropped: tuple[int, ...]
+    signatures: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -310,7 +380,14 @@ class UnmaskResponse:
 
 
 Message = (
-    AdvertiseKeys | KeyBroadcast | EncryptedShare | MaskedInput | UnmaskRequest | UnmaskResponse
+    AdvertiseKeys
+    | KeyBroadcast
+    | EncryptedShare
+    | MaskedInput
+    | ConsistencyRequest
+    | ConsistencySignature
+    | UnmaskRequest
+    | UnmaskResponse
 )
 
 
@@ -342,8 +419,12 @@ class ProtocolParams:
     modulus_bits: int
     neighbours: tuple[tuple[int, ...], ...]
     session: bytes
+    # Ed25519 identity keys registered at setup, one per client; () = unsigned protocol
+    verify_keys: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.verify_keys and len(self.verify_keys) != self.n:
+            raise ValueError(f"{len(self.verify_keys)} identity keys for {self.n} clients")
         for u, peers in enumerate(self.neighbours):
             if u in peers or any(u not in self.neighbours[v] for v in peers):
                 raise ValueError("the neighbour graph must be symmetric without self-loops")
@@ -354,6 +435,11 @@ class ProtocolParams:
     @property
     def dtype(self) -> np.dtype:
         return np.dtype(np.uint32 if self.modulus_bits <= 32 else np.uint64)
+
+    @property
+    def signed(self) -> bool:
+        """Whether keys are signed and the ConsistencyCheck round runs (malicious server)."""
+        return bool(self.verify_keys)
 
     def group(self, u: int) -> tuple[int, ...]:
         """Who holds shares of u's secrets: u and its neighbours."""
@@ -388,12 +474,29 @@ def neighbour_graph(n: int, k: int | None, rng: np.random.Generator) -> tuple[tu
 
 
 class SecAggClient:
-    """One client of the protocol: keys, shares of its secrets, masking, and unmasking answers."""
+    """One client of the protocol: keys, shares of its secrets, masking, and unmasking answers.
 
-    def __init__(self, cid: int, params: ProtocolParams, entropy: Callable[[int], bytes]) -> None:
+    `identity` is its long-term Ed25519 key, needed when the protocol is signed (its public
+    half is `params.verify_keys[cid]`).
+    """
+
+    def __init__(
+        self,
+        cid: int,
+        params: ProtocolParams,
+        entropy: Callable[[int], bytes],
+        identity: Ed25519PrivateKey | None = None,
+    ) -> None:
+        if params.signed:
+            if identity is None:
+                raise ValueError(f"client {cid}: a signed protocol needs its identity key")
+            if identity.public_key().public_bytes_raw() != params.verify_keys[cid]:
+                raise ValueError(f"client {cid}: identity key differs from the registered one")
         self.id = cid
         self.params = params
         self._rand = entropy
+        self._identity = identity
+        self._u3: frozenset[int] | None = None  # the surviving set this client signed
         self._c_sk: X25519PrivateKey | None = None
         self._s_sk: X25519PrivateKey | None = None
         self._peers: dict[int, tuple[bytes, bytes]] = {}
@@ -416,7 +519,9 @@ class SecAggClient:
         if alive < t:
             raise SecAggAbort(
                 f"client {self.id}: {alive} clients of its share group alive at {stage}, "
-                f"below the threshold t={t}"
+                f"below the threshold t={t}",
+                alive,
+                t,
             )
 
     def advertise_keys(self) -> AdvertiseKeys:
@@ -424,11 +529,13 @@ class SecAggClient:
         self._advance("start", "advertise_keys")
         self._c_sk = X25519PrivateKey.from_private_bytes(self._rand(KEY_BYTES))
         self._s_sk = X25519PrivateKey.from_private_bytes(self._rand(KEY_BYTES))
-        return AdvertiseKeys(
-            self.id,
-            self._c_sk.public_key().public_bytes_raw(),
-            self._s_sk.public_key().public_bytes_raw(),
-        )
+        c_pk = self._c_sk.public_key().public_bytes_raw()
+        s_pk = self._s_sk.public_key().public_bytes_raw()
+        signature = b""
+        if self._identity is not None and self.params.signed:
+            data = advert_signed_bytes(self.params.session, self.id, c_pk, s_pk)
+            signature = self._identity.sign(data)
+        return AdvertiseKeys(self.id, c_pk, s_pk, signature)
 
     def _cipher(self, peer: int) -> ChaCha20Poly1305:
         if peer not in self._aead:
@@ -460,6 +567,16 @@ class SecAggClient:
         flat = [key for pair in broadcast.keys.values() for key in pair]
         if len(set(flat)) != len(flat):
             raise self._refuse("two advertised public keys are equal")
+        if self.params.signed:
+            session = self.params.session
+            for v, (c_pk, s_pk) in sorted(broadcast.keys.items()):
+                sig = broadcast.signatures.get(v, b"")
+                data = advert_signed_bytes(session, v, c_pk, s_pk)
+                if not signature_valid(self.params.verify_keys[v], sig, data):
+                    raise self._refuse(
+                        f"the advertised keys of client {v} carry no valid signature under its "
+                        "registered identity key (forged or altered in transit)"
+                    )
         self._peers = {v: keys for v, keys in broadcast.keys.items() if v != self.id}
         holders = sorted([*self._peers, self.id])
         self._enough(len(holders), "ShareKeys")
@@ -506,10 +623,51 @@ class SecAggClient:
             (np.add if self.id < v else np.subtract)(y, pad, out=y)
         return MaskedInput(self.id, p.finish(y).tobytes())
 
+    def consistency_check(self, request: ConsistencyRequest) -> ConsistencySignature:
+        """ConsistencyCheck: sign (session, U3) with the identity key; later, before revealing
+        anything, the client checks that t clients signed this same U3."""
+        self._advance("masked_input", "consistency_check")
+        if not self.params.signed or self._identity is None:
+            raise self._refuse("a consistency check in an unsigned protocol")
+        u3 = frozenset(request.survivors)
+        if len(u3) != len(request.survivors) or self.id not in u3:
+            raise self._refuse(f"the surviving set {sorted(u3)} repeats ids or omits this client")
+        group = set(self.params.group(self.id))
+        unknown = (u3 & group) - set(self._held)
+        if unknown:
+            raise self._refuse(f"survivors {sorted(unknown)} never sent it their shares")
+        self._enough(len(u3 & group), "ConsistencyCheck")
+        self._u3 = u3
+        data = survivors_signed_bytes(self.params.session, sorted(u3))
+        return ConsistencySignature(self.id, self._identity.sign(data))
+
+    def _check_consistency(self, request: UnmaskRequest) -> None:
+        """Refuse unless t clients signed the U3 this client signed and the request matches it."""
+        if self._u3 is None:
+            raise self._refuse("an unmask request before the consistency check")
+        data = survivors_signed_bytes(self.params.session, sorted(self._u3))
+        for v, sig in sorted(request.signatures.items()):
+            if v not in self._u3:
+                raise self._refuse(f"a consistency signature from client {v}, not a survivor")
+            if not signature_valid(self.params.verify_keys[v], sig, data):
+                raise self._refuse(
+                    f"client {v}'s signature is not over the surviving set this client signed: "
+                    "the server sent different surviving sets (equivocation) or forged one"
+                )
+        self._enough(len(request.signatures), "ConsistencyCheck (signatures)")
+        held = set(self._held)
+        if set(request.survivors) != held & self._u3 or set(request.dropped) != held - self._u3:
+            raise self._refuse("the unmask request disagrees with the surviving set it signed")
+
     def unmask(self, request: UnmaskRequest) -> UnmaskResponse:
         """Round 3: b-shares of survivors, c_sk-shares of dropped peers; never both for one peer."""
-        if self._stage not in ("masked_input", "unmask"):
+        ready = (
+            ("consistency_check", "unmask") if self.params.signed else ("masked_input", "unmask")
+        )
+        if self._stage not in ready:
             raise SecAggViolation(f"client {self.id}: unmask request in stage {self._stage}")
+        if self.params.signed:
+            self._check_consistency(request)
         self._stage = "unmask"
         surv, drop = set(request.survivors), set(request.dropped)
         both = surv & drop
@@ -544,8 +702,10 @@ class SecAggServer:
     def __init__(self, params: ProtocolParams) -> None:
         self.params = params
         self._keys: dict[int, tuple[bytes, bytes]] = {}
+        self._key_sigs: dict[int, bytes] = {}
         self._shared: set[int] = set()  # U2: clients whose shares arrived
         self._masked: set[int] = set()  # U3: clients whose masked input arrived
+        self._signed: dict[int, bytes] = {}  # U4: consistency signatures that arrived
         self._sum: np.ndarray | None = None
 
     def _enough(self, alive: int, stage: str) -> None:
@@ -553,20 +713,27 @@ class SecAggServer:
         if alive < t:
             raise SecAggAbort(
                 f"{alive} clients alive at {stage}, below the threshold t={t}: "
-                "secure aggregation aborted, nothing is revealed"
+                "secure aggregation aborted, nothing is revealed",
+                alive,
+                t,
             )
 
     def broadcast_keys(self, messages: Sequence[AdvertiseKeys]) -> dict[int, KeyBroadcast]:
-        """After round 0: each client gets the keys of its share group's live members."""
+        """After round 0: each client gets the keys (and signatures) of its share group's live
+        members."""
         for m in messages:
             if not 0 <= m.sender < self.params.n or m.sender in self._keys:
                 raise SecAggAbort(f"unexpected AdvertiseKeys from client {m.sender}")
             self._keys[m.sender] = (m.c_public, m.s_public)
+            if self.params.signed:
+                self._key_sigs[m.sender] = m.signature
         self._enough(len(self._keys), "AdvertiseKeys")
-        return {
-            u: KeyBroadcast({v: self._keys[v] for v in self.params.group(u) if v in self._keys})
-            for u in sorted(self._keys)
-        }
+        out = {}
+        for u in sorted(self._keys):
+            live = [v for v in self.params.group(u) if v in self._keys]
+            sigs = {v: self._key_sigs[v] for v in live} if self.params.signed else {}
+            out[u] = KeyBroadcast({v: self._keys[v] for v in live}, sigs)
+        return out
 
     def route_shares(
         self, batches: Mapping[int, Sequence[EncryptedShare]]
@@ -597,15 +764,35 @@ class SecAggServer:
             np.add(self._sum, vec, out=self._sum)
         self._masked.add(message.sender)
 
+    def consistency_requests(self) -> dict[int, ConsistencyRequest]:
+        """ConsistencyCheck: send U3 (clients whose masked input arrived) to each of them."""
+        self._enough(len(self._masked), "MaskedInputCollection")
+        u3 = tuple(sorted(self._masked))
+        return {u: ConsistencyRequest(u3) for u in u3}
+
+    def receive_signatures(self, messages: Sequence[ConsistencySignature]) -> None:
+        """ConsistencyCheck: keep each survivor's signature over U3 (U4 = who answered)."""
+        for m in messages:
+            if m.sender not in self._masked or m.sender in self._signed:
+                raise SecAggAbort(f"unexpected consistency signature from client {m.sender}")
+            self._signed[m.sender] = m.signature
+        self._enough(len(self._signed), "ConsistencyCheck")
+
     def unmask_requests(self) -> dict[int, UnmaskRequest]:
-        """Round 3 requests: U3 = clients whose masked input arrived; U2 \\ U3 dropped."""
+        """Round 3 requests: U3 = clients whose masked input arrived; U2 \\ U3 dropped.
+
+        Signed: sent to U4 only, carrying every signature over U3 for the clients to check.
+        """
         self._enough(len(self._masked), "MaskedInputCollection")
         dropped = self._shared - self._masked
+        asked = sorted(self._signed) if self.params.signed else sorted(self._masked)
         out = {}
-        for u in sorted(self._masked):
+        for u in asked:
             group = set(self.params.group(u))
             out[u] = UnmaskRequest(
-                tuple(sorted(group & self._masked)), tuple(sorted(group & dropped - {u}))
+                tuple(sorted(group & self._masked)),
+                tuple(sorted(group & dropped - {u})),
+                dict(self._signed),
             )
         return out
 
@@ -620,7 +807,9 @@ class SecAggServer:
         if len(shares) < t:
             raise SecAggAbort(
                 f"{len(shares)} clients of client {owner}'s share group alive at Unmasking "
-                f"(to recover its {what}), below the threshold t={t}"
+                f"(to recover its {what}), below the threshold t={t}",
+                len(shares),
+                t,
             )
         xs = tuple(sorted(shares)[:t])
         if xs not in cache:
@@ -640,8 +829,9 @@ class SecAggServer:
         dropped = self._shared - self._masked
         b_shares: dict[int, dict[int, bytes]] = {}
         sk_shares: dict[int, dict[int, bytes]] = {}
+        asked = set(self._signed) if p.signed else self._masked
         for r in responses:
-            if r.sender not in self._masked:
+            if r.sender not in asked:
                 raise SecAggAbort(f"unmask response from client {r.sender}, not a survivor")
             if set(r.self_mask_shares) & set(r.key_shares):
                 raise SecAggAbort(f"client {r.sender} revealed both shares of one peer")
@@ -691,12 +881,16 @@ def run_protocol(
     entropies: Sequence[Callable[[int], bytes]],
     drop_after: Mapping[int, str] | None = None,
     transcript: list[tuple[str, int, Message]] | None = None,
+    identities: Sequence[Ed25519PrivateKey] | None = None,
+    server: SecAggServer | None = None,
 ) -> tuple[np.ndarray, list[int], RunStats]:
-    """Run all four rounds in process; returns (ring sum of survivors' inputs, survivors, stats).
+    """Run all rounds in process; returns (ring sum of survivors' inputs, survivors, stats).
 
     `inputs(i)` gives client i's encoded vector (called only if i reaches round 2);
     `drop_after[i]` is the stage in STAGES after which client i goes silent. `transcript`
     collects ("up" | "down", client, message) for every message that crosses the network.
+    A signed protocol (params.verify_keys) needs the clients' `identities` and runs the
+    ConsistencyCheck round; `server` replaces the honest server (tests of a hostile one).
     """
     drop_after = dict(drop_after or {})
     bad = {s for s in drop_after.values() if s not in STAGES}
@@ -726,8 +920,13 @@ def run_protocol(
         stats.client_seconds.setdefault(stage, []).append(time.perf_counter() - start)
         return out
 
-    clients = [SecAggClient(i, params, entropies[i]) for i in range(n)]
-    server = SecAggServer(params)
+    if params.signed and identities is None:
+        raise ValueError("a signed protocol needs the clients' identity keys")
+    ids = identities if params.signed else None
+    clients = [
+        SecAggClient(i, params, entropies[i], None if ids is None else ids[i]) for i in range(n)
+    ]
+    server = SecAggServer(params) if server is None else server
     clock = time.perf_counter()
 
     adverts = [
@@ -754,6 +953,14 @@ def run_protocol(
     stats.server_seconds["relay_and_sum"] = (
         time.perf_counter() - clock - sum(sum(v) for v in stats.client_seconds.values())
     )
+    if params.signed:
+        signatures = []
+        for i, creq in server.consistency_requests().items():
+            down(i, creq)
+            if takes_part(i, "consistency_check"):
+                sig = timed("consistency", lambda c=clients[i], r=creq: c.consistency_check(r))
+                signatures.append(up(i, sig))
+        server.receive_signatures(signatures)  # type: ignore[arg-type]
     requests = server.unmask_requests()
     responses = []
     for i, req in requests.items():
@@ -776,12 +983,24 @@ def _session_secret(seed: int, call: int) -> bytes:
     return hkdf(material, b"fedvox/secagg/session-secret")
 
 
+def identity_keys(seed: int, call: int, n: int) -> list[Ed25519PrivateKey]:
+    """The n clients' Ed25519 identity keys of a simulated call (a deployment registers each
+    device's own long-term key once, at enrolment)."""
+    root = _session_secret(seed, call)
+    return [
+        Ed25519PrivateKey.from_private_bytes(hkdf(root, b"fedvox/secagg/identity/%d" % i))
+        for i in range(n)
+    ]
+
+
 class SecureSum:
     """Summer running the protocol over the clients of each call (fl/aggregation.Summer).
 
     Every call has fresh keys: its secrets derive from (seed, call index), so a run is
     deterministic given the seed, repeated calls differ, and state_dict() makes a resumed run
     bit-identical. Returns (Σ w_i Δ_i as float32, Σ w_i, survivors) over the survivors only.
+    An abort below the threshold raises SecAggAbort, or StepSkipped with on_abort = "skip"
+    (counted in `aborted`); a SecAggViolation always propagates.
     A simulation: messages, costs and dropouts are the real protocol's, but its secrets are
     only as hidden as the seed; deployed clients draw theirs from `Entropy()` (the OS).
     """
@@ -792,11 +1011,17 @@ class SecureSum:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError("secagg.seed", f"{self.seed!r} is not an int >= 0", "use e.g. 0")
         self.calls = 0
+        self.aborted = 0  # calls that aborted below the threshold and were skipped
         self.last_stats: RunStats | None = None
         self.last_survivors: list[int] = []
+        self._last: dict[str, float] = {}
+
+    def last_metrics(self) -> dict[str, float]:
+        """The last call: aborted (1/0), survivors, threshold t, and the run's aborted total."""
+        return dict(self._last)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"calls": self.calls, "seed": self.seed}
+        return {"calls": self.calls, "seed": self.seed, "aborted": self.aborted}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state.get("seed", self.seed)) != self.seed:
@@ -806,6 +1031,7 @@ class SecureSum:
                 "resume with the seed of the checkpointed run",
             )
         self.calls = int(state["calls"])
+        self.aborted = int(state.get("aborted", 0))
 
     def _rng(self, purpose: int, *ids: int) -> np.random.Generator:
         return derived_rng(self.seed, purpose, *ids)
@@ -820,12 +1046,36 @@ class SecureSum:
         return ProtocolParams(n, t, dim, cfg.modulus_bits, graph, session.digest()[:16])
 
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, float, int]:
-        cfg = self.config
-        n = int(weights.shape[0])
         call = self.calls
         self.calls += 1  # counted even if it aborts, so a resumed run stays in step
+        try:
+            return self._run(deltas, weights, call)
+        except SecAggViolation:
+            raise
+        except SecAggAbort as err:
+            if self.config.on_abort == "stop":
+                raise
+            self.aborted += 1
+            self.last_stats, self.last_survivors = None, []
+            self._last = {
+                "secagg_aborted": 1.0,
+                "secagg_aborted_total": float(self.aborted),
+                "secagg_survivors": float(err.alive if err.alive is not None else 0),
+                "secagg_threshold": float(err.threshold if err.threshold is not None else 0),
+            }
+            alive = "?" if err.alive is None else err.alive
+            t = "?" if err.threshold is None else err.threshold
+            raise StepSkipped(
+                f"secure aggregation aborted with {alive} survivors, below the threshold t={t} "
+                f'(on_abort = "skip"): {err}',
+                self._last,
+            ) from err
+
+    def _run(self, deltas: Params, weights: Tensor, call: int) -> tuple[Params, float, int]:
+        cfg = self.config
+        n = int(weights.shape[0])
         if n < 2:
-            raise SecAggAbort(f"{n} client alive, below the 2 secure aggregation needs")
+            raise SecAggAbort(f"{n} client alive, below the 2 secure aggregation needs", n, 2)
         cfg.check_capacity(n)
         w = weights.detach().to(torch.float64).cpu().numpy()
         names = list(deltas)
@@ -834,6 +1084,11 @@ class SecureSum:
         shapes = [deltas[name].shape[1:] for name in names]
         sizes = [math.prod(s) for s in shapes]
         params = self.protocol_params(n, sum(sizes) + 1, call)
+        identities = None
+        if cfg.consistency_check:
+            identities = identity_keys(self.seed, call, n)
+            registry = tuple(k.public_key().public_bytes_raw() for k in identities)
+            params = dataclasses.replace(params, verify_keys=registry)
 
         drops: dict[int, str] = {}
         if cfg.dropout > 0:
@@ -847,8 +1102,16 @@ class SecureSum:
 
         root = _session_secret(self.seed, call)
         entropies = [Entropy(hkdf(root, b"fedvox/secagg/client/%d" % i)) for i in range(n)]
-        total, survivors, stats = run_protocol(params, inputs, entropies, drops)
+        total, survivors, stats = run_protocol(
+            params, inputs, entropies, drops, identities=identities
+        )
         self.last_stats, self.last_survivors = stats, survivors
+        self._last = {
+            "secagg_aborted": 0.0,
+            "secagg_aborted_total": float(self.aborted),
+            "secagg_survivors": float(len(survivors)),
+            "secagg_threshold": float(params.threshold),
+        }
         values, weight = decode(total, cfg)
         out, offset = {}, 0
         for name, shape, size in zip(names, shapes, sizes, strict=True):
