@@ -260,6 +260,13 @@ STUDIES: dict[str, Study] = {
                 "each a secure-aggregated sum, and the panel's mean)",
             ),
             Arm(
+                "ft-fedbuff-clusters",
+                {**LOCAL, **FINE_TUNE, **FT_FEDBUFF, **DEVICE_CLUSTERS},
+                _LOCAL_SEES + " (and the centroids of 32 clusters of >= 10 panel devices, "
+                "each a secure-aggregated sum, and the panel's mean)",
+                derived=SAME_TRIPS_AS_FEDAVG,
+            ),
+            Arm(
                 "ft-fedavg-server-learning",
                 {**LOCAL, **FINE_TUNE, "federated.server_learning.steps": 1},
                 _LOCAL_SEES + " (the server also trains on its public corpus)",
