@@ -49,6 +49,8 @@ TINY_WORLD = [
     "data.world.public_duration_s=[1.0, 1.5]",
     "data.world.device_utts=[3, 4]",
     "data.world.device_duration_s=[1.0, 1.5]",
+    # 6 devices: the cluster arms' k-anonymity minimum (10) would reveal no centroid
+    "federated.reconstruction.cluster_min_devices=2",
 ]
 
 

@@ -535,7 +535,7 @@ def test_domain_clusters_find_the_groups_and_drop_small_ones() -> None:
         assert max(float(c @ w) for c in got) > 0.999
     assert torch.equal(got, domain_clusters(e, seeds, k=3, min_size=10))  # deterministic
     with pytest.raises(ConfigError, match="panel"):
-        DomainClusters(torch.zeros(30, 1, dim), k=4, min_size=10)
+        DomainClusters(torch.zeros(9, 1, dim), k=4, min_size=10)
 
 
 def test_device_clusters_are_appended_to_the_negatives() -> None:

@@ -179,8 +179,8 @@ def public_prototypes(
 
 @dataclass(frozen=True)
 class DomainClusters:
-    """Device-domain negatives: k-means of a fixed panel's chunks [N, L, F], clusters of at
-    least `min_size` panel devices kept (each centroid an aggregate of that many)."""
+    """Device-domain negatives: k-means of a fixed panel's chunks [N, L, F] into at most k
+    clusters, those of at least `min_size` panel devices kept (each an aggregate of that many)."""
 
     panel: Tensor
     k: int
@@ -191,12 +191,11 @@ class DomainClusters:
             raise ConfigError(
                 "k", f"k = {self.k}, min_size = {self.min_size}", "use k >= 1 and min_size >= 1"
             )
-        if self.k * self.min_size > len(self.panel):
+        if self.min_size > len(self.panel):  # k is an upper bound: small clusters drop
             raise ConfigError(
                 "panel",
-                f"{len(self.panel)} panel devices cannot fill {self.k} clusters of "
-                f">= {self.min_size}",
-                f"use a panel of at least {self.k * self.min_size} devices or fewer clusters",
+                f"{len(self.panel)} panel devices cannot fill one cluster of >= {self.min_size}",
+                f"use a panel of at least {self.min_size} devices or a smaller minimum",
             )
 
 
