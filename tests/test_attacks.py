@@ -180,3 +180,59 @@ def test_a_run_config_records_the_malicious_updates_of_each_server_step(tmp_path
     assert len(server) == 2
     assert all(r.malicious is not None and 0 <= r.malicious <= r.updates for r in server)
     assert sum(r.malicious or 0 for r in server) > 0
+
+
+# -- the robustness study ------------------------------------------------------------------
+
+
+def test_robustness_study_declares_every_attack_fraction_and_defence() -> None:
+    from fedvox.experiment.repro import STUDIES, arm_config
+
+    study = STUDIES["robustness"]
+    names = [a.name for a in study.arms]
+    assert len(names) == len(set(names)) == 27
+    cfgs = {a.name: arm_config(study, a, {"seed": 2}) for a in study.arms}  # all validate
+    for name in ("clean-none", "sign-flip-5-median", "scale-20-krum", "nan-20-none"):
+        assert name in cfgs
+    assert cfgs["clean-krum"].federated.attack.fraction == 0.0
+    flip = cfgs["sign-flip-20-trimmed-mean"].federated
+    assert (flip.attack.kind, flip.attack.fraction) == ("sign_flip", 0.2)
+    assert (flip.robust.rule, flip.robust.trim) == ("trimmed_mean", 0.2)
+    assert cfgs["scale-5-krum"].federated.robust.byzantine == 4  # 20 % of the cohort of 20
+    assert cfgs["scale-5-norm-bound"].federated.robust.norm_bound > 0
+    fed = [c.federated for c in cfgs.values()]
+    trips = {f.concurrency * f.server_steps for f in fed}
+    assert trips == {300} and {c.seed for c in cfgs.values()} == {2}
+    assert {f.speakers for f in fed} == {"local"}
+
+
+def test_robustness_table_gives_damage_against_the_same_defence_and_ratio_to_clean() -> None:
+    from fedvox.experiment.repro import TABLES
+
+    def row(arm: str, attack: str, percent: int, defence: str, eer: float, **kw) -> dict:
+        return {
+            "arm": arm,
+            "attack": attack,
+            "percent": percent,
+            "defence": defence,
+            "eer": eer,
+            "malicious_updates": 0 if attack == "none" else 60,
+            **kw,
+        }
+
+    rows = [
+        row("clean-none", "none", 0, "none", 0.20),
+        row("clean-median", "none", 0, "median", 0.25),
+        row("sign-flip-20-none", "sign_flip", 20, "none", 0.40),
+        row("sign-flip-20-median", "sign_flip", 20, "median", 0.26),
+        row("scale-20-none", "scale", 20, "none", math.nan, diverged="scores not finite"),
+    ]
+    lines = TABLES["robustness"](rows)
+    by = {r["arm"]: r for r in rows}
+    assert by["sign-flip-20-none"]["damage"] == pytest.approx(0.20)
+    assert by["sign-flip-20-median"]["damage"] == pytest.approx(0.01)  # vs clean-median
+    assert by["sign-flip-20-median"]["ratio_to_clean"] == pytest.approx(1.3)  # vs clean-none
+    assert by["scale-20-none"]["damage"] is None
+    text = "\n".join(lines)
+    assert "| sign-flip-20-none | sign_flip | 20 % | none | 40.00% | +20.00 | 2.00 | 60 |" in text
+    assert "diverged (non-finite model)" in text
