@@ -236,3 +236,29 @@ def test_robustness_table_gives_damage_against_the_same_defence_and_ratio_to_cle
     text = "\n".join(lines)
     assert "| sign-flip-20-none | sign_flip | 20 % | none | 40.00% | +20.00 | 2.00 | 60 |" in text
     assert "diverged (non-finite model)" in text
+
+
+def test_a_diverged_arm_is_a_row_of_the_study_not_a_failure(tmp_path: Path, monkeypatch) -> None:
+    import fedvox.experiment.repro as repro
+    from fedvox.errors import DataError
+    from fedvox.records import append_run_log
+
+    def diverge(cfg, folder: Path, progress: bool) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        step = ServerStepRecord(1, 1.0, 20, 20, 9.0, (0,) * 20, 20, 0, 0, 0, 0, 0, {}, 4)
+        append_run_log(folder / "metrics.jsonl", [step])
+        raise DataError(None, "3 of 40 target scores are not finite (NaN or inf)", "check")
+
+    monkeypatch.setattr(repro, "run_arm", diverge)
+    path = repro.run_study("robustness", tmp_path, arms=["scale-20-none"], progress=False)
+    assert "| scale-20-none | scale | 20 % | none | diverged (non-finite model) |" in (
+        path.read_text()
+    )
+    assert "| 4 |" in path.read_text()  # the malicious updates its server records counted
+
+    def other(cfg, folder: Path, progress: bool) -> Path:
+        raise DataError(None, "no such corpus", "prepare it")
+
+    monkeypatch.setattr(repro, "run_arm", other)
+    with pytest.raises(DataError):  # any other data error still stops the study
+        repro.run_study("robustness", tmp_path / "b", arms=["scale-20-none"], progress=False)

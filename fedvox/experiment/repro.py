@@ -876,7 +876,9 @@ def run_study(
         row = _arm_row(arm, folders[arm.name])
         row["hours"] = _virtual_hours(folders[arm.name])
         rows.append(row)
-    compare_runs([r["folder"] for r in rows if not r.get("diverged")], out)
+    trained = [r["folder"] for r in rows if not r.get("diverged")]
+    if trained:
+        compare_runs(trained, out)
     refs = study.references if add_gap_closed(rows, study.references) else None
     lines = [f"# fedvox repro {name}", "", study.title, "", *TABLES[study.table](rows), ""]
     if study.table == "dp":
@@ -898,7 +900,7 @@ def run_study(
             "![EER vs virtual hours, with the references](gain_vs_hours.png)",
             "",
         ]
-    else:
+    elif trained:
         lines += ["![EER vs client trips](eer_vs_trips.png)", ""]
     lines += [*study.notes, ""]
     lines += ["Arms (each an ordinary run folder):", *(f"- `{r['folder']}`" for r in rows), ""]
