@@ -369,7 +369,7 @@ def repro(
     study: Annotated[
         str,
         typer.Argument(
-            help="federated-gain | fedrecon-speakers | dp-utility (see docs/studies.md)."
+            help="federated-gain | fedrecon-speakers | dp-utility | robustness (see docs/studies.md)."
         ),
     ],
     out_dir: Annotated[

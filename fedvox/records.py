@@ -130,7 +130,8 @@ class ServerStepRecord(Record):
     """One server step: what was aggregated, the clock and cumulative counters after it.
 
     Counters are cumulative over the run (trips = completed trips, bytes, dropped, stale,
-    cancelled); `agg` holds the aggregator's metrics (e.g. clip norm), stored as agg_<name>.
+    cancelled); `agg` holds the aggregator's metrics (e.g. clip norm), stored as agg_<name>;
+    `malicious`: how many of the step's updates came from simulated attackers (None: no attack).
     """
 
     KIND: ClassVar[str] = "server"
@@ -148,6 +149,7 @@ class ServerStepRecord(Record):
     stale: int
     cancelled: int
     agg: dict[str, float] = field(default_factory=dict, metadata={PREFIX: "agg_"})
+    malicious: int | None = None
 
     @property
     def staleness_mean(self) -> float:

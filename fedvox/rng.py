@@ -46,6 +46,9 @@ class Purpose(IntEnum):
     SECAGG_ROUNDING = 0x5A61
     SECAGG_DROPOUT = 0x5A62
     SECAGG_GRAPH = 0x5A63
+    # attack simulation
+    ATTACK_SUBSET = 0xA77A  # which devices are malicious
+    ATTACK_NOISE = 0xA77B  # a gaussian attacker's noise, per (client, trip)
 
 
 def derived_rng(seed: int, purpose: int, *ids: int) -> np.random.Generator:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # engine types, imported lazily so `fedvox config` stays ligh
     from fedvox.data.synthetic import SyntheticConfig
     from fedvox.data.world import WorldConfig
     from fedvox.fl import Algorithm, ClientConfig, ReconConfig, ServerOptimizer, SimulatorConfig
+    from fedvox.fl.attack import AttackConfig
 
 
 @contextmanager
@@ -458,6 +459,41 @@ class RobustSection(_Strict):
     )
 
 
+class AttackSection(_Strict):
+    """Simulated hostile devices (fedvox.fl.attack; docs/federated.md, "Attack simulation").
+
+    A fixed seeded `fraction` of the population (the same devices in every arm of a seed)
+    trains honestly, then sends a hostile update in its place, before the server's pipeline.
+    """
+
+    fraction: float = Field(
+        0.0, ge=0, lt=1, description="malicious share of the devices; 0 = no attack"
+    )
+    kind: Literal["sign_flip", "scale", "gaussian", "nan"] = Field(
+        "sign_flip",
+        description="sign_flip: send −scale·Δ; scale: send scale·Δ; gaussian: N(0, σ²) per "
+        "coordinate in units of the update's rms; nan: NaN/Inf",
+    )
+    scale: float = Field(10.0, gt=0, description="s of sign_flip and scale")
+    sigma: float = Field(10.0, gt=0, description="σ of gaussian, in units of rms(Δ)")
+
+    def attack_config(self, seed: int) -> AttackConfig:
+        """The engine's AttackConfig (fedvox.fl.attack) for the run's seed."""
+        from fedvox.fl.attack import AttackConfig
+
+        paths = {
+            f"attack.{k}": f"federated.attack.{k}" for k in ("fraction", "kind", "scale", "sigma")
+        }
+        with toml_paths(paths):
+            return AttackConfig(
+                fraction=self.fraction,
+                kind=self.kind,
+                scale=self.scale,
+                sigma=self.sigma,
+                seed=seed,
+            )
+
+
 class ReconstructionSection(_Strict):
     """Speakers as local parameters (`speakers = "local"`, Federated Reconstruction).
 
@@ -590,6 +626,7 @@ class FederatedSection(_Strict):
     partition: PartitionSection = PartitionSection()
     privacy: PrivacySection = PrivacySection()
     robust: RobustSection = RobustSection()
+    attack: AttackSection = AttackSection()
     reconstruction: ReconstructionSection = ReconstructionSection()
     fedaws: FedAwSSection = FedAwSSection()
     server_learning: ServerLearningSection | None = None
@@ -685,6 +722,7 @@ class FederatedSection(_Strict):
         from fedvox.experiment.robust import check_robust
 
         check_robust(self)
+        self.attack.attack_config(seed=0)
         self.reconstruction.recon_config()
         self.partition.partition_config()
 

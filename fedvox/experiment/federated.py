@@ -29,7 +29,8 @@ from fedvox.experiment.privacy import PrivacyPipeline, build_privacy
 from fedvox.experiment.robust import build_robust
 from fedvox.experiment.runfolder import RunFolder, count_lines, truncate_lines
 from fedvox.fl import Algorithm, Population, Simulator
-from fedvox.fl.simulator import SimRecord
+from fedvox.fl.attack import make_attack_update, malicious_clients
+from fedvox.fl.simulator import SimRecord, plain_client_update
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.progress import task_progress
@@ -122,6 +123,10 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         task = _global_task(cfg, data)
     if f.server_learning is not None:
         algorithm = _server_learning(cfg, data, task, algorithm)
+    if f.attack.fraction > 0:  # on the devices: after honest training, before the server
+        attack = f.attack.attack_config(cfg.seed)
+        malicious = malicious_clients(population.num_clients, attack.fraction, cfg.seed)
+        client_update = make_attack_update(client_update or plain_client_update, attack, malicious)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     robust = build_robust(f)  # refused with secure aggregation, so one summer at most
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]

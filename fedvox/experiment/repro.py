@@ -25,9 +25,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from fedvox.atomic import atomic_write, atomic_write_text
-from fedvox.errors import ConfigError
+from fedvox.errors import ConfigError, DataError
 from fedvox.experiment.config import ExperimentConfig, config_from_dict, set_dotted, strip_none
-from fedvox.records import EvalRecord, read_run_log
+from fedvox.records import EvalRecord, ServerStepRecord, read_run_log
 
 RESULT = "metrics.json"
 
@@ -43,6 +43,8 @@ class Arm:
     # settings computed from the merged ones (base ← overrides ← --set), applied last: e.g.
     # FedBuff's server steps from the FedAvg arms' budget, so --set cannot unbalance it
     derived: Mapping[str, Callable[[Mapping[str, Any]], Any]] = field(default_factory=dict)
+    # columns a study's table reads (e.g. attack, fraction, defence), copied into the row
+    labels: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class Study:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # (public-only arm, pooled-oracle arm): the two reference lines of "gap closed"
     references: tuple[str, str] | None = None
+    # an arm whose model turned non-finite (its scores are NaN) is a row marked diverged,
+    # not a failed study: an attack may destroy the model it attacks
+    diverged_rows: bool = False
 
 
 # Federated settings measured to learn with local speakers (docs/federated.md, "What
@@ -229,6 +234,56 @@ SAME_TRIPS_AS_FEDAVG = {
     for k in ("federated.server_steps", "federated.eval_every", "federated.checkpoint_every")
 }
 _LOCAL_SEES = "the extractor update only; prototypes never leave the device"
+
+# robustness: hostile devices against the robust rules, on the embedded corpus (FED_BASE's
+# local-speaker settings) at a small budget: cohort ROBUST_COHORT of the 200 devices over
+# ROBUST_ROUNDS rounds. Defences are set for up to 20 % hostile updates per step: trimmed
+# mean cuts 20 % per side, Krum tolerates f = 20 % of the cohort. Norm bound: honest update
+# norms were 1.3–2.5 in the first round and 0.28–0.58 (median 0.42) in the next two (smoke
+# run: 24 devices of the default per-device data, cohort 12), so 0.5 bounds the top quarter.
+ROBUST_COHORT = 20
+ROBUST_ROUNDS = 15
+ROBUST_NORM_BOUND = 0.5
+ROBUST_BASE: dict[str, Any] = {
+    **FED_BASE,
+    **LOCAL,
+    "federated.concurrency": ROBUST_COHORT,
+    "federated.server_steps": ROBUST_ROUNDS,
+    "federated.eval_every": 5,
+    "federated.checkpoint_every": 5,
+    "eval.backends": ["cosine"],  # the table reads cosine; the others only cost time
+    "federated.attack.scale": 10.0,
+    "federated.attack.sigma": 10.0,
+}
+DEFENCES: dict[str, dict[str, Any]] = {
+    "none": {},
+    "norm-bound": {"federated.robust.norm_bound": ROBUST_NORM_BOUND},
+    "median": {"federated.robust.rule": "median"},
+    "trimmed-mean": {"federated.robust.rule": "trimmed_mean", "federated.robust.trim": 0.2},
+    "krum": {"federated.robust.rule": "krum", "federated.robust.byzantine": ROBUST_COHORT // 5},
+}
+ATTACKS = {"sign-flip": "sign_flip", "scale": "scale", "gaussian": "gaussian", "nan": "nan"}
+
+
+def _robust_arm(attack: str | None, percent: int, defence: str) -> Arm:
+    """One robustness arm: `percent` % of devices run `attack` (None: nobody), `defence`."""
+    over: dict[str, Any] = dict(DEFENCES[defence])
+    if attack is not None:
+        over |= {
+            "federated.attack.kind": ATTACKS[attack],
+            "federated.attack.fraction": percent / 100,
+        }
+    name = f"clean-{defence}" if attack is None else f"{attack}-{percent}-{defence}"
+    labels = {"attack": ATTACKS.get(attack or "", "none"), "percent": percent, "defence": defence}
+    return Arm(name, over, _LOCAL_SEES, labels=labels)
+
+
+ROBUST_ARMS = (
+    *(_robust_arm(None, 0, d) for d in DEFENCES),
+    *(_robust_arm(a, p, d) for a in ("sign-flip", "scale") for p in (5, 20) for d in DEFENCES),
+    _robust_arm("gaussian", 20, "none"),
+    _robust_arm("nan", 20, "none"),
+)
 _VOICEPRINT_SEES = "the extractor update and every device's {what} (a voiceprint)"
 
 STUDIES: dict[str, Study] = {
@@ -413,6 +468,33 @@ STUDIES: dict[str, Study] = {
             "speakers and on the pooled devices, evaluated on the same device trials.",
         ),
     ),
+    "robustness": Study(
+        name="robustness",
+        title="Hostile devices against the robust rules: EER under sign-flip, scaling, noise "
+        "and NaN attackers at 5 % and 20 % of the devices",
+        base=ROBUST_BASE,
+        arms=ROBUST_ARMS,
+        table="robustness",
+        diverged_rows=True,
+        notes=(
+            "The embedded corpus (200 one-speaker training devices, 40 held-out speakers), "
+            "local speakers (Federated Reconstruction), FED_BASE's settings (server SGD lr 1 "
+            "-> 0.3, two local epochs of SGD at lr 0.05, batch 8), one seed. Budget per arm: "
+            f"FedAvg, cohort {ROBUST_COHORT} over {ROBUST_ROUNDS} rounds = "
+            f"{ROBUST_COHORT * ROBUST_ROUNDS} client trips ({len(ROBUST_ARMS)} arms, "
+            f"{len(ROBUST_ARMS) * ROBUST_COHORT * ROBUST_ROUNDS:,} trips in all: about an hour "
+            "on 2 cores as two --arm lists side by side, at the ~0.5 s per trip FED_BASE "
+            "measured). Far from converged: the clean EER is a short run's.",
+            "Attackers: a fixed seeded set of devices (the same in every arm; the 5 % are among "
+            "the 20 %) trains honestly, then sends −10·Δ (sign-flip), 10·Δ (scale), noise of 10× "
+            "its update's rms (gaussian) or NaN/Inf (nan). Defences: norm bound "
+            f"{ROBUST_NORM_BOUND}, coordinate median, trimmed mean (20 % per side), Krum "
+            f"(f = {ROBUST_COHORT // 5}). Damage = EER − the attack-free EER with the same "
+            "defence (points; what the attack did, not what the defence costs); × clean = EER "
+            "/ the attack-free, undefended EER (clean-none). Malicious updates: what the "
+            "server steps received from attackers (server records' `malicious`).",
+        ),
+    ),
 }
 
 
@@ -555,8 +637,35 @@ def _arm_row(arm: Arm, folder: Path) -> dict[str, Any]:
         "epsilon": result.get("privacy", {}).get("epsilon"),
         "offset": result.get("test_speaker_offset"),
         "folder": str(folder),
+        **arm.labels,
     }
+    if arm.labels:
+        steps = read_run_log(folder / "metrics.jsonl", (ServerStepRecord,))
+        counts = [r.malicious for r in steps if r.malicious is not None]
+        row["malicious_updates"] = sum(counts) if counts else 0
     return row
+
+
+def _diverged_row(arm: Arm, folder: Path, why: str) -> dict[str, Any]:
+    """The row of an arm whose model scored non-finite: no EER, the server records it has."""
+    steps = read_run_log(folder / "metrics.jsonl", (ServerStepRecord,))
+    counts = [r.malicious for r in steps if r.malicious is not None]
+    return {
+        "arm": arm.name,
+        "eer": math.nan,
+        "min_dcf_01": math.nan,
+        "trips": steps[-1].trips if steps else None,
+        "mb_up_per_trip": None,
+        "mb_down_per_trip": None,
+        "server_sees": arm.server_sees,
+        "epsilon": None,
+        "offset": None,
+        "folder": str(folder),
+        "diverged": why,
+        "hours": None,
+        **arm.labels,
+        "malicious_updates": sum(counts) if counts else 0,
+    }
 
 
 def _speakers_table(rows: list[dict]) -> list[str]:
@@ -693,10 +802,44 @@ def _plot_references(
     return atomic_write(path, lambda f: fig.savefig(f, format="png"))
 
 
+def add_attack_damage(rows: list[dict]) -> None:
+    """Give every attack row its damage (EER − the clean EER with the same defence) and
+    ratio to the clean, undefended EER, where those clean arms are among the rows."""
+    clean = {r["defence"]: r["eer"] for r in rows if r.get("attack") == "none"}
+    for r in rows:
+        if "attack" not in r:
+            continue
+        same = clean.get(r["defence"])
+        finite = math.isfinite(r["eer"])  # a diverged arm has no EER
+        r["damage"] = r["eer"] - same if finite and same is not None else None
+        base = clean.get("none")  # None, or a zero EER: no ratio
+        r["ratio_to_clean"] = r["eer"] / base if finite and base else None
+
+
+def _robustness_table(rows: list[dict]) -> list[str]:
+    add_attack_damage(rows)
+    out = [
+        "| arm | attack | malicious devices | defence | unseen-speaker EER "
+        "| damage (points) | × clean | malicious updates received |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        damage = r.get("damage")
+        eer = "diverged (non-finite model)" if r.get("diverged") else f"{100 * r['eer']:.2f}%"
+        out.append(
+            f"| {r['arm']} | {r.get('attack', '—')} | {r.get('percent', 0)} % "
+            f"| {r.get('defence', '—')} | {eer} "
+            f"| {_num(None if damage is None else 100 * damage, '+.2f')} "
+            f"| {_num(r.get('ratio_to_clean'), '.2f')} | {_num(r.get('malicious_updates'), 'd')} |"
+        )
+    return out
+
+
 TABLES: dict[str, Callable[[list[dict]], list[str]]] = {
     "speakers": _speakers_table,
     "dp": _dp_table,
     "gain": _gain_table,
+    "robustness": _robustness_table,
 }
 
 
@@ -724,14 +867,25 @@ def run_study(
     order = study_order(study, chosen, sets)  # dependencies first
     folders = {a.name: (out / a.name).resolve() for a in order}
     configs = {a.name: arm_config(study, a, sets, folders) for a in order}  # refuse early
+    diverged: dict[str, str] = {}
     for arm in order:
-        run_arm(configs[arm.name], folders[arm.name], progress)
+        try:
+            run_arm(configs[arm.name], folders[arm.name], progress)
+        except DataError as err:
+            if not (study.diverged_rows and "not finite" in err.problem):
+                raise
+            diverged[arm.name] = err.problem
     rows = []
     for arm in order:
+        if arm.name in diverged:
+            rows.append(_diverged_row(arm, folders[arm.name], diverged[arm.name]))
+            continue
         row = _arm_row(arm, folders[arm.name])
         row["hours"] = _virtual_hours(folders[arm.name])
         rows.append(row)
-    compare_runs([r["folder"] for r in rows], out)
+    trained = [r["folder"] for r in rows if not r.get("diverged")]
+    if trained:
+        compare_runs(trained, out)
     refs = study.references if add_gap_closed(rows, study.references) else None
     lines = [f"# fedvox repro {name}", "", study.title, "", *TABLES[study.table](rows), ""]
     if study.table == "dp":
@@ -753,7 +907,7 @@ def run_study(
             "![EER vs virtual hours, with the references](gain_vs_hours.png)",
             "",
         ]
-    else:
+    elif trained:
         lines += ["![EER vs client trips](eer_vs_trips.png)", ""]
     lines += [*study.notes, ""]
     lines += ["Arms (each an ordinary run folder):", *(f"- `{r['folder']}`" for r in rows), ""]

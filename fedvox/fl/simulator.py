@@ -432,6 +432,7 @@ class Simulator:
                 stale=c["stale"],
                 cancelled=c["cancelled"],
                 agg=self.aggregator.metrics(),
+                malicious=None if results.malicious is None else int(results.malicious.sum()),
             )
         )
 

@@ -107,8 +107,10 @@ class ReconConfig:
 
 @dataclass
 class ClientResults:
-    """Results of k clients, stacked along the leading axis."""
+    """Results of k clients, stacked along the leading axis; `malicious` (a bool per row)
+    marks the rows an attack replaced (None: no attack is simulated)."""
 
     delta: Params
     num_examples: Tensor
     loss: Tensor
+    malicious: Tensor | None = None
