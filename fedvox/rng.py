@@ -46,6 +46,8 @@ class Purpose(IntEnum):
     SECAGG_ROUNDING = 0x5A61
     SECAGG_DROPOUT = 0x5A62
     SECAGG_GRAPH = 0x5A63
+    # upload compression
+    COMPRESS = 0xC0A1  # stochastic rounding of a client's quantised upload
 
 
 def derived_rng(seed: int, purpose: int, *ids: int) -> np.random.Generator:
