@@ -354,14 +354,24 @@ def compare(
             help="Target EER as a fraction (e.g. 0.1); default: the worst of the federated runs' best EERs."
         ),
     ] = None,
+    x: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--x",
+            help="X-axis to plot EER against (repeatable): trips, hours, mb_up (MB uploaded, "
+            "e.g. compression arms); default: trips and hours.",
+        ),
+    ] = None,
 ) -> None:
-    """Compare runs: EER vs client trips and vs virtual hours, and a table of the trips and
-    virtual hours each run needs to reach a target EER. Runs are labelled by folder name."""
+    """Compare runs: EER vs client trips and vs virtual hours (or MB uploaded, --x mb_up), and
+    a table of what each run needs to reach a target EER. Runs are labelled by folder name."""
     from fedvox.experiment.compare import compare_runs
 
-    path = compare_runs(runs, out_dir, target)
+    axes = x or ["trips", "hours"]
+    path = compare_runs(runs, out_dir, target, axes)
     out.print(path.read_text())
-    out.print(f"written: {path}, {out_dir / 'eer_vs_trips.png'}, {out_dir / 'eer_vs_hours.png'}")
+    plots = ", ".join(str(out_dir / f"eer_vs_{a}.png") for a in dict.fromkeys(axes))
+    out.print(f"written: {path}, {plots}")
 
 
 @app.command()

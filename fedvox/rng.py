@@ -49,6 +49,8 @@ class Purpose(IntEnum):
     # attack simulation
     ATTACK_SUBSET = 0xA77A  # which devices are malicious
     ATTACK_NOISE = 0xA77B  # a gaussian attacker's noise, per (client, trip)
+    # upload compression
+    COMPRESS = 0xC0A1  # stochastic rounding of a client's quantised upload
 
 
 def derived_rng(seed: int, purpose: int, *ids: int) -> np.random.Generator:

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from fedvox.errors import DataError
-from fedvox.experiment.compare import compare_runs, default_target, load_curve, to_target
+from fedvox.experiment.compare import (
+    compare_runs,
+    default_target,
+    load_curve,
+    mb_to_target,
+    to_target,
+)
 
 # (step, trips, virtual seconds, eer) per eval record
 RUN_A = [
@@ -22,7 +28,11 @@ RUN_B = [(10, 50, 1800.0, 0.30), (20, 150, 5400.0, 0.15), (30, 250, 9000.0, 0.12
 
 
 def write_run(
-    folder: Path, evals: list[tuple], name: str | None = None, federated: bool = True
+    folder: Path,
+    evals: list[tuple],
+    name: str | None = None,
+    federated: bool = True,
+    mb_per_trip: float | None = None,
 ) -> Path:
     folder.mkdir(parents=True)
     if name is not None:
@@ -33,6 +43,8 @@ def write_run(
         rec |= {"eer_threshold": 0.7, "n_target": 10, "n_nontarget": 90}  # as quick_eval logs
         if federated:
             rec |= {"trips": trips, "virtual_time_s": t}
+        if mb_per_trip is not None:
+            rec |= {"bytes_up": round(trips * mb_per_trip * 1e6), "bytes_down": 0}
         lines.append(json.dumps(rec))
         lines.append(json.dumps({"kind": "train", "step": step, "loss": 1.0}))
     (folder / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "ev')  # torn last line
@@ -145,3 +157,39 @@ def test_centralised_curve_has_no_trips(tmp_path):
     c = load_curve(write_run(tmp_path / "c", [(5, 0, 0, 0.3), (9, 0, 0, 0.2)], "c", False))
     assert not c.federated and np.isnan(c.trips).all()
     assert to_target(c, 0.5) == (None, None)
+
+
+def test_eer_against_mb_uploaded(tmp_path):
+    runs = [
+        write_run(tmp_path / "float32", RUN_A, mb_per_trip=4.0),
+        write_run(tmp_path / "q4", RUN_B, mb_per_trip=0.5),
+        write_run(tmp_path / "old", RUN_B),  # logged before bytes up were recorded
+    ]
+    a = load_curve(runs[0])
+    assert a.mb_up.tolist() == [400.0, 800.0, 1200.0, 1600.0]
+    assert mb_to_target(a, 0.12) == pytest.approx(720.0, rel=1e-12)  # 180 trips × 4 MB
+    assert mb_to_target(load_curve(runs[2]), 0.12) is None
+    out = tmp_path / "cmp"
+    md = compare_runs(runs, out, target_eer=0.12, x=["mb_up"]).read_text()
+    assert "--x mb_up" in md and "MB up to target" in md
+    assert "| float32 | 8.00% | 6.00% | 180.0 | 0.180 | 720.00 | 1600.00 |" in md
+    assert "| q4 | 12.00% | 12.00% | 250.0 | 2.500 | 125.00 | 125.00 |" in md
+    assert "| old | 12.00% | 12.00% | 250.0 | 2.500 | not logged | not logged |" in md
+    assert (out / "eer_vs_mb_up.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "eer_vs_trips.png").exists()
+    with pytest.raises(DataError, match="x-axis"):
+        compare_runs(runs, out, x=["bytes"])
+
+
+def test_cli_compare_x_mb_up(tmp_path):
+    from typer.testing import CliRunner
+
+    from fedvox.cli import app
+
+    runs = [str(write_run(tmp_path / n, RUN_A, mb_per_trip=1.0)) for n in ("a", "b")]
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(
+        app, ["compare", *runs, "--x", "mb_up", "--x", "trips", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert (out / "eer_vs_mb_up.png").is_file() and (out / "eer_vs_trips.png").is_file()

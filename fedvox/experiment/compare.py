@@ -1,6 +1,7 @@
-"""Run comparison (`fedvox compare RUN RUN…`): EER against client trips and virtual hours.
+"""Run comparison (`fedvox compare RUN RUN…`): EER against client trips, virtual hours, MB up.
 
-Reads finished run folders' metrics.jsonl eval records; writes two plots and a markdown table.
+Reads finished run folders' metrics.jsonl eval records; writes a plot per x-axis (trips and
+hours by default; `--x mb_up` for megabytes uploaded, e.g. compression arms) and a table.
 
 Target: when none is given, the target EER is the worst of the federated runs' best EERs
 (of all runs' when none is federated), so every compared run reaches it. Trips and hours to
@@ -16,7 +17,7 @@ import math
 import shlex
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ from fedvox.records import EvalRecord, read_run_log_lines
 
 METRICS = "metrics.jsonl"
 CONFIG = "config.toml"
+# x-axes `compare` can plot: RunCurve attribute → axis label
+X_AXES = {"trips": "client trips", "hours": "virtual hours", "mb_up": "MB uploaded (all clients)"}
 
 
 @dataclass
@@ -41,6 +44,7 @@ class RunCurve:
     hours: np.ndarray
     eer: np.ndarray
     steps: np.ndarray
+    mb_up: np.ndarray = field(default_factory=lambda: np.zeros(0))  # NaN where not logged
 
     @property
     def federated(self) -> bool:
@@ -80,7 +84,7 @@ def load_curve(run: str | Path) -> RunCurve:
             "not a run folder (no metrics.jsonl)",
             "give folders that `fedvox train` wrote",
         )
-    rows: list[tuple[int, float, float, float]] = []
+    rows: list[tuple[int, float, float, float, float]] = []
     fed_lines: list[int] = []
     cen_lines: list[int] = []
     for i, rec in read_run_log_lines(metrics, (EvalRecord,)):
@@ -93,7 +97,8 @@ def load_curve(run: str | Path) -> RunCurve:
         else:
             trips = hours = math.nan
             cen_lines.append(i)
-        rows.append((step, trips, hours, eer))
+        mb = math.nan if rec.bytes_up is None else rec.bytes_up / 1e6
+        rows.append((step, trips, hours, eer, mb))
     if not rows:
         raise DataError(
             metrics,
@@ -108,7 +113,7 @@ def load_curve(run: str | Path) -> RunCurve:
             cen_lines[0],
         )
     rows.sort(key=lambda r: r[0])  # stable: equal steps keep their logged order
-    arr = np.array(rows, dtype=np.float64).reshape(-1, 4)
+    arr = np.array(rows, dtype=np.float64).reshape(-1, 5)
     return RunCurve(
         name=_run_name(run),
         path=run,
@@ -116,6 +121,7 @@ def load_curve(run: str | Path) -> RunCurve:
         hours=arr[:, 2],
         eer=arr[:, 3],
         steps=arr[:, 0].astype(np.int64),
+        mb_up=arr[:, 4],
     )
 
 
@@ -139,6 +145,22 @@ def to_target(curve: RunCurve, target_eer: float) -> tuple[float | None, float |
     trips = curve.trips[i - 1] + frac * (curve.trips[i] - curve.trips[i - 1])
     hours = curve.hours[i - 1] + frac * (curve.hours[i] - curve.hours[i - 1])
     return float(trips), float(hours)
+
+
+def mb_to_target(curve: RunCurve, target_eer: float) -> float | None:
+    """MB uploaded (all clients) when EER first reaches <= target, interpolated as in
+    to_target; None if never, or if the run did not log bytes up."""
+    if not curve.federated or not np.all(np.isfinite(curve.mb_up)):
+        return None
+    hit = np.flatnonzero(curve.eer <= target_eer)
+    if hit.size == 0:
+        return None
+    i = int(hit[0])
+    if i == 0:
+        return float(curve.mb_up[0])
+    e0, e1 = curve.eer[i - 1], curve.eer[i]
+    frac = (e0 - target_eer) / (e0 - e1)
+    return float(curve.mb_up[i - 1] + frac * (curve.mb_up[i] - curve.mb_up[i - 1]))
 
 
 def default_target(curves: Sequence[RunCurve]) -> float:
@@ -173,6 +195,8 @@ def _plot(
         if not c.federated:
             continue
         x = getattr(c, x_of)
+        if not np.all(np.isfinite(x)):  # e.g. no bytes up in an older run's records
+            continue
         xs_all.append(x)
         ax.plot(x, 100 * c.eer, marker="o", ms=3, lw=1.5, label=label)
     if xs_all:
@@ -200,38 +224,49 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def compare_runs(
-    runs: Sequence[str | Path], out_dir: str | Path, target_eer: float | None = None
+    runs: Sequence[str | Path],
+    out_dir: str | Path,
+    target_eer: float | None = None,
+    x: Sequence[str] = ("trips", "hours"),
 ) -> Path:
-    """Write eer_vs_trips.png, eer_vs_hours.png and compare.md into out_dir; return compare.md."""
+    """Write eer_vs_<x>.png for each x-axis in `x` (trips, hours, mb_up) and compare.md into
+    out_dir; return compare.md. With mb_up the table adds MB up to target and in all."""
     if not runs:
         raise DataError(None, "no run folders to compare", "pass one or more RUN folders")
+    bad = [a for a in x if a not in X_AXES]
+    if bad or not x:
+        raise DataError(None, f"unknown x-axis {bad or list(x)}", f"use --x from {list(X_AXES)}")
     out_dir = Path(out_dir)
     curves = [load_curve(r) for r in runs]
     labels = _labels(curves)
     given = target_eer is not None
     target = float(target_eer) if target_eer is not None else default_target(curves)
 
-    _plot(curves, labels, "trips", "client trips", target, out_dir / "eer_vs_trips.png")
-    _plot(curves, labels, "hours", "virtual hours", target, out_dir / "eer_vs_hours.png")
+    axes = list(dict.fromkeys(x))
+    for axis in axes:
+        _plot(curves, labels, axis, X_AXES[axis], target, out_dir / f"eer_vs_{axis}.png")
+    mb = "mb_up" in axes
 
     rule = (
         "given with --target"
         if given
         else "default: the worst of the federated runs' best EERs, so every one reaches it"
     )
+    flags = "" if axes == ["trips", "hours"] else "".join(f" --x {a}" for a in axes)
     md = [
         "# fedvox compare",
         "",
         "```",
-        "fedvox compare " + " ".join(shlex.quote(str(r)) for r in runs),
+        "fedvox compare " + " ".join(shlex.quote(str(r)) for r in runs) + flags,
         "```",
         "",
         f"Target EER: **{100 * target:.2f}%** ({rule}).",
         "Trips and virtual hours to target are linearly interpolated between the two",
         "evaluations around the first crossing.",
         "",
-        "| run | final EER | best EER | trips to target | virtual hours to target |",
-        "|---|---|---|---|---|",
+        "| run | final EER | best EER | trips to target | virtual hours to target |"
+        + (" MB up to target | MB up in all |" if mb else ""),
+        "|---|---|---|---|---|" + ("---|---|" if mb else ""),
     ]
     notes = []
     for c, label in zip(curves, labels, strict=True):
@@ -239,11 +274,15 @@ def compare_runs(
         final, best = f"{100 * c.eer[-1]:.2f}%", f"{100 * c.eer.min():.2f}%"
         if c.federated:
             trips, hours = to_target(c, target)
-            md.append(
-                f"| {name} | {final} | {best} | {_fmt(trips, '.1f')} | {_fmt(hours, '.3f')} |"
-            )
+            row = f"| {name} | {final} | {best} | {_fmt(trips, '.1f')} | {_fmt(hours, '.3f')} |"
+            if mb:
+                total = float(c.mb_up[-1]) if math.isfinite(c.mb_up[-1]) else None
+                logged = "not logged" if total is None else _fmt(mb_to_target(c, target), ".2f")
+                row += f" {logged} | {'not logged' if total is None else f'{total:.2f}'} |"
+            md.append(row)
         else:
-            md.append(f"| {name} | {final} | {best} | — (centralised) | — (centralised) |")
+            row = f"| {name} | {final} | {best} | — (centralised) | — (centralised) |"
+            md.append(row + (" — | — |" if mb else ""))
             notes.append(
                 f"- {label}: no trips/virtual time in its eval records (centralised run): "
                 "listed with its EER, left out of the plots."
@@ -257,9 +296,6 @@ def compare_runs(
         md += ["", "Notes:", *notes]
     md += [
         "",
-        "![EER vs client trips](eer_vs_trips.png)",
-        "",
-        "![EER vs virtual hours](eer_vs_hours.png)",
-        "",
+        *(f"![EER vs {X_AXES[a]}](eer_vs_{a}.png)\n" for a in axes),
     ]
     return atomic_write_text(out_dir / "compare.md", "\n".join(md))

@@ -494,6 +494,32 @@ class AttackSection(_Strict):
             )
 
 
+class CompressionSection(_Strict):
+    """Upload compression on the device (fedvox.fl.compression; docs/federated.md).
+
+    Each client sends its (clipped) update compressed; the server aggregates the decoded
+    update and `bytes_up` counts the compressed size. float16 and quantize compose with DP,
+    robust rules and secure aggregation; topk (whose positions would show) is refused with
+    secure aggregation.
+    """
+
+    kind: Literal["none", "float16", "quantize", "topk"] = Field(
+        "none",
+        description="none: float32; float16: half precision; quantize: stochastic uniform "
+        "quantisation to `bits` per coordinate; topk: the largest `fraction` of each tensor",
+    )
+    bits: Literal[8, 4, 2] = Field(8, description="quantize: bits per coordinate")
+    chunk: int = Field(
+        512, ge=1, description="quantize: coordinates per (min, step) pair of float32 scales"
+    )
+    fraction: float = Field(0.01, gt=0, le=1, description="topk: fraction of each tensor sent")
+    error_feedback: bool = Field(
+        True,
+        description="topk: keep what was not sent on the device and add it to the next trip "
+        "(costs 4 bytes a coordinate per client that has sent, saved in checkpoints)",
+    )
+
+
 class ReconstructionSection(_Strict):
     """Speakers as local parameters (`speakers = "local"`, Federated Reconstruction).
 
@@ -627,6 +653,7 @@ class FederatedSection(_Strict):
     privacy: PrivacySection = PrivacySection()
     robust: RobustSection = RobustSection()
     attack: AttackSection = AttackSection()
+    compression: CompressionSection = CompressionSection()
     reconstruction: ReconstructionSection = ReconstructionSection()
     fedaws: FedAwSSection = FedAwSSection()
     server_learning: ServerLearningSection | None = None
@@ -723,6 +750,9 @@ class FederatedSection(_Strict):
 
         check_robust(self)
         self.attack.attack_config(seed=0)
+        from fedvox.experiment.compression import check_compression
+
+        check_compression(self)
         self.reconstruction.recon_config()
         self.partition.partition_config()
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from fedvox.data.partition import Partition, partition_corpus
 from fedvox.errors import ConfigError
+from fedvox.experiment.compression import build_compression
 from fedvox.experiment.config import (
     FEDERATED_PATHS,
     ExperimentConfig,
@@ -129,6 +130,10 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         client_update = make_attack_update(client_update or plain_client_update, attack, malicious)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     robust = build_robust(f)  # refused with secure aggregation, so one summer at most
+    compress = build_compression(f, privacy, robust, cfg.seed)
+    stages = robust.stages + privacy.stages  # bound each update, then DP-clip it,
+    if compress is not None:  # then compress it (and keep it within those bounds)
+        stages.append(compress)
     setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
         sim = Simulator(
@@ -138,7 +143,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
             f.client_config(),
             f.simulator_config(cfg.seed, once_per_epoch=privacy.mechanism == "dp_ftrl"),
             callback=setup.records.append,
-            stages=robust.stages + privacy.stages,  # bound each update, then DP-clip it
+            stages=stages,
             summer=robust.combiner or privacy.summer,
             noise=privacy.noise,
             client_update=client_update,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedvox.errors import ConfigError
+from fedvox.experiment.compression import FLOAT16_MODULUS_BITS, FLOAT16_SCALE_BITS
 from fedvox.experiment.config import FederatedSection
 from fedvox.fl.aggregation import NoiseStage, Summer, SumStage
 from fedvox.privacy.accounting import PrivacyAccountant, check_dp_setup
@@ -115,11 +116,16 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
                 'set federated.weighting = "uniform" with secure_aggregation',
             )
         bits = p.secagg_scale_bits
+        modulus = 32
+        if f.compression.kind == "float16":  # hold float16's 2^-24 steps exactly: a 64-bit ring
+            bits = FLOAT16_SCALE_BITS if bits is None else bits
+            modulus = FLOAT16_MODULUS_BITS
         if bits is None:  # the finest resolution whose ring still holds the whole cohort
             bits = MAX_SCALE_BITS
             while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
                 bits -= 1
         config = SecAggConfig(
+            modulus_bits=modulus,
             threshold=p.secagg_threshold,
             scale_bits=bits,
             max_weight=max_weight,

@@ -9,6 +9,7 @@ are stages here, invisible to the algorithms.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -67,8 +68,10 @@ class SumStage(Protocol):
     """A per-client stage applied to stacked deltas before they are summed (clip, quantise).
 
     May also define `end_step(count)` (called once per server step, after the sum, e.g. for
-    adaptive clipping), `discard_step()` (the step was skipped: forget what it saw) and
-    `state_dict()` / `load_state_dict()` (saved with the simulator).
+    adaptive clipping), `discard_step()` (the step was skipped: forget what it saw),
+    `state_dict()` / `load_state_dict()` (saved with the simulator), `upload_bytes(shapes)`
+    (what one client sends, when the stage changes it) and `needs_jobs = True` (it is then
+    called with a third argument, the (client, trip) of each row: device state, seeds).
     """
 
     def __call__(self, deltas: Params, weights: Tensor) -> tuple[Params, Tensor]: ...
@@ -147,9 +150,24 @@ class Aggregator:
         """Whether the summer is a Combiner (needs the whole step's updates at once)."""
         return hasattr(self.summer, "combine")
 
-    def accumulate(self, deltas: Params, weights: Tensor) -> Tensor:
-        """Add a batch of client deltas (stacked, leading axis = client) with their weights;
-        returns which rows were kept (False: dropped for a non-finite delta or weight)."""
+    def _stages(
+        self, deltas: Params, weights: Tensor, jobs: Sequence[tuple[int, int]] | None
+    ) -> tuple[Params, Tensor]:
+        for stage in self.stages:
+            if getattr(stage, "needs_jobs", False):
+                if jobs is None:
+                    raise ValueError(f"{type(stage).__name__} needs the (client, trip) of each row")
+                deltas, weights = stage(deltas, weights, jobs)  # type: ignore[call-arg]
+            else:
+                deltas, weights = stage(deltas, weights)
+        return deltas, weights
+
+    def accumulate(
+        self, deltas: Params, weights: Tensor, jobs: Sequence[tuple[int, int]] | None = None
+    ) -> Tensor:
+        """Add a batch of client deltas (stacked, leading axis = client) with their weights
+        and, for stages that keep device state, the (client, trip) of each row; returns
+        which rows were kept (False: dropped for a non-finite delta or weight)."""
         if self.names is not None and set(deltas) != self.names:
             extra = sorted(set(deltas) - self.names)
             missing = sorted(self.names - set(deltas))
@@ -166,16 +184,16 @@ class Aggregator:
             if self.total is None:  # what the step sums to if nobody is left
                 self.total = {n: d.new_zeros(d.shape[1:]) for n, d in deltas.items()}
             deltas, weights = select_rows(deltas, weights, keep)
+            if jobs is not None:
+                jobs = [j for j, k in zip(jobs, keep.tolist(), strict=True) if k]
         if self.combines:
             if weights.numel():
-                for stage in self.stages:
-                    deltas, weights = stage(deltas, weights)
+                deltas, weights = self._stages(deltas, weights, jobs)
             self.summer.add(deltas, weights)  # type: ignore[union-attr]
             return keep
         if not weights.numel():  # nothing left to sum (a secure sum of 0 inputs would abort)
             return keep
-        for stage in self.stages:
-            deltas, weights = stage(deltas, weights)
+        deltas, weights = self._stages(deltas, weights, jobs)
         part, weight, count = self.summer(deltas, weights)  # type: ignore[operator]
         if self.total is None:
             self.total = part
@@ -219,6 +237,16 @@ class Aggregator:
             if discard is not None:
                 discard()
         self.reset()
+
+    def upload_bytes(self, shapes: dict[str, tuple[int, ...]]) -> int:
+        """Bytes one client uploads per trip: float32 values, unless a stage compresses them
+        (its size) or the summer sends its own encoding (secure aggregation's masked input)."""
+        size = 4 * sum(math.prod(s) for s in shapes.values())
+        for stage in [*self.stages, self.summer]:
+            sized = getattr(stage, "upload_bytes", None)
+            if sized is not None:
+                size = int(sized(shapes))
+        return size
 
     def metrics(self) -> dict[str, float]:
         """What the stages report about the last server step (e.g. clip_norm,

@@ -108,6 +108,9 @@ class Simulator:
         self.global_names: list[str] = list(params)
         self.aggregator = Aggregator(stages or [], self.global_names, summer, noise or [])
         self.bytes_per_trip = 4 * sum(params[n].numel() for n in self.global_names)
+        # what an upload carries: float32 values, or the compressed / masked encoding
+        shapes = {n: tuple(params[n].shape) for n in self.global_names}
+        self.bytes_up_per_trip = self.aggregator.upload_bytes(shapes)
         # what a download carries besides the global parameters (e.g. public negatives)
         self.bytes_down_per_trip = self.bytes_per_trip + int(extra_bytes_down)
         self.examples = population.examples()
@@ -316,7 +319,7 @@ class Simulator:
             start_version=trip["version"],
             status=status,
             bytes_down=self.bytes_down_per_trip,
-            bytes_up=self.bytes_per_trip if status in ("aggregated", "stale") else 0,
+            bytes_up=self.bytes_up_per_trip if status in ("aggregated", "stale") else 0,
             **kw,
         )
 
@@ -337,7 +340,7 @@ class Simulator:
             self._emit(self._trip_record(trip, time, "dropped_out"))
         else:
             self.counters["trips_completed"] += 1
-            self.counters["bytes_up"] += self.bytes_per_trip
+            self.counters["bytes_up"] += self.bytes_up_per_trip
             tau = self.server_step - trip["version"]
             max_tau = self.algorithm.max_staleness
             if max_tau is not None and tau > max_tau:
@@ -374,7 +377,7 @@ class Simulator:
         staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
         weights = self.algorithm.client_weights(results.num_examples, staleness)
         try:
-            kept = self.aggregator.accumulate(results.delta, weights)
+            kept = self.aggregator.accumulate(results.delta, weights, jobs)
             total, weight, count = self.aggregator.result()
             skipped = None
         except StepSkipped as err:  # e.g. secure aggregation aborted below its threshold

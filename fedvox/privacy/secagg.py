@@ -1036,6 +1036,12 @@ class SecureSum:
     def _rng(self, purpose: int, *ids: int) -> np.random.Generator:
         return derived_rng(self.seed, purpose, *ids)
 
+    def upload_bytes(self, shapes: Mapping[str, Sequence[int]]) -> int:
+        """Bytes of one client's MaskedInput (the update's upload): its sender id and dim + 1
+        ring elements (the weight rides along), each as wide as the ring's dtype."""
+        dim = sum(math.prod(s) for s in shapes.values()) + 1
+        return wire_size(0) + dim * self.config.dtype.itemsize
+
     def protocol_params(self, n: int, dim: int, call: int) -> ProtocolParams:
         """The public parameters of call `call` over n clients with `dim` coordinates."""
         cfg = self.config
