@@ -21,6 +21,12 @@ MAX_SEGMENT_OVERSHOOT_S = 0.5
 # Containers libsndfile cannot decode; VoxCeleb2 ships .m4a.
 _COMPRESSED_SUFFIXES = {".m4a", ".aac", ".mp4", ".wma", ".opus", ".webm"}
 
+# soundfile reads a ".raw" name as headerless PCM and then wants the sample rate, channels
+# and sample format from the caller (a TypeError); fedvox lists carry none of them.
+_HEADERLESS_SUFFIXES = {".raw"}
+# What soundfile raises on a file it cannot open or decode.
+_OPEN_ERRORS = (sf.SoundFileError, RuntimeError, OSError, TypeError)
+
 _REENCODE_FIX = (
     "convert it to 16 kHz mono wav, e.g. `ffmpeg -i {name} -ar 16000 -ac 1 out.wav`, "
     "or remove it from the list"
@@ -64,6 +70,15 @@ def _open_problem(path: Path, where: str | None, exc: Exception) -> DataError:
             f"'{path.suffix}' audio cannot be read (soundfile/libsndfile has no AAC decoder)",
             _REENCODE_FIX.format(name=path.name),
         )
+    if path.suffix.lower() in _HEADERLESS_SUFFIXES:
+        return _error(
+            path,
+            where,
+            f"'{path.suffix}' is headerless audio: the file does not say its sample rate, "
+            "channels or sample format",
+            "convert it to a wav with a header, e.g. `sox -t raw -r 16000 -e signed -b 16 "
+            f"-c 1 {path.name} out.wav`, or remove it from the list",
+        )
     reason = str(exc).rsplit(":", 1)[-1].strip().rstrip(".") or type(exc).__name__
     return _error(
         path,
@@ -78,7 +93,7 @@ def audio_info(path: Path, where: str | None = None) -> tuple[int, int, int]:
     path = Path(path)
     try:
         info = sf.info(str(path))
-    except (sf.SoundFileError, RuntimeError, OSError) as exc:
+    except _OPEN_ERRORS as exc:
         raise _open_problem(path, where, exc) from None
     return int(info.samplerate), int(info.channels), int(info.frames)
 
@@ -161,7 +176,7 @@ def read_audio(
     path = Path(path)
     try:
         handle = sf.SoundFile(str(path))
-    except (sf.SoundFileError, RuntimeError, OSError) as exc:
+    except _OPEN_ERRORS as exc:
         raise _open_problem(path, where, exc) from None
     with handle:
         sample_rate, channels, frames = handle.samplerate, handle.channels, handle.frames
@@ -172,7 +187,7 @@ def read_audio(
         try:
             handle.seek(first)
             data = handle.read(last - first, dtype="float32", always_2d=True)
-        except (sf.SoundFileError, RuntimeError, OSError) as exc:
+        except _OPEN_ERRORS as exc:
             raise _open_problem(path, where, exc) from None
     if data.shape[0] == 0:
         raise _error(
@@ -181,7 +196,16 @@ def read_audio(
             "contains no audio (0 samples)",
             "re-create the file or drop it from the list",
         )
-    return np.ascontiguousarray(data[:, 0])
+    samples = np.ascontiguousarray(data[:, 0])
+    if not np.isfinite(samples).all():  # float wavs can hold NaN/inf; features would be NaN
+        bad = int(np.flatnonzero(~np.isfinite(samples))[0]) + first
+        raise _error(
+            path,
+            where,
+            f"holds NaN or infinite samples (first at sample {bad}, {bad / sample_rate:.3f} s)",
+            "re-create the file (a float wav must hold finite samples) or drop it from the list",
+        )
+    return samples
 
 
 def write_audio(path: Path, samples: np.ndarray, sample_rate: int = 16000) -> None:

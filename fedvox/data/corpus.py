@@ -5,6 +5,7 @@ Data path: corpus ──► audio ──► features; trial lists and client par
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -253,26 +254,42 @@ class Corpus:
 # ---------------------------------------------------------------- Kaldi data dirs
 
 
-def _read_lines(path: Path) -> list[tuple[int, list[str], str]]:
-    """Non-blank lines of a text file as (line number, fields, text)."""
+def read_text(path: Path, what: str = "file") -> str:
+    """A UTF-8 text file (a leading byte-order mark dropped), or DataError naming the line
+    of the first byte that is not UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        line = text_line_of(path, exc.start)
-        raise DataError(path, "is not UTF-8 text", "save it as UTF-8 text", line=line) from None
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(path, f"{what} does not exist", "check the path") from None
     except OSError as exc:
         raise DataError(path, f"cannot be read ({exc.strerror})", "check the file") from None
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise DataError(
+            path, f"{what} is not UTF-8 text", "save it as UTF-8 text", line=line
+        ) from None
+
+
+def numbered_lines(text: str) -> list[tuple[int, str]]:
+    r"""(line number, line) as an editor counts them: lines end at '\n' only.
+
+    str.splitlines() also breaks at \v, \f, \x1c-\x1e, \x85 and \u2028, which would
+    shift the line numbers of every error after one of them.
+    """
+    return list(enumerate(text.split("\n"), start=1))
+
+
+def _read_lines(path: Path) -> list[tuple[int, list[str], str]]:
+    """Non-blank lines of a text file as (line number, fields, text)."""
     out = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in numbered_lines(read_text(path)):
         stripped = raw.strip()
         if stripped:
             out.append((number, stripped.split(), stripped))
     return out
-
-
-def text_line_of(path: Path, byte_offset: int) -> int:
-    """1-based line number containing `byte_offset` of a file."""
-    return path.read_bytes()[:byte_offset].count(b"\n") + 1
 
 
 def _require(path: Path, what: str) -> None:
@@ -674,6 +691,21 @@ def load_librispeech(root: Path, sample_rate: int = 16000) -> Corpus:
 # ---------------------------------------------------------------- WeSpeaker raw.list
 
 
+class _DuplicateField(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unique_fields(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose fields are unique: json.loads keeps the last of two silently."""
+    obj: dict[str, object] = {}
+    for name, value in pairs:
+        if name in obj:
+            raise _DuplicateField(name)
+        obj[name] = value
+    return obj
+
+
 def load_raw_list(path: Path, sample_rate: int = 16000) -> Corpus:
     """Load a WeSpeaker raw.list: JSON lines {"key", "spk", "wav"}; relative wavs vs its dir."""
     path = Path(path)
@@ -685,9 +717,16 @@ def load_raw_list(path: Path, sample_rate: int = 16000) -> Corpus:
     fix = 'write one JSON object per line: {"key": "utt", "spk": "speaker", "wav": "path.wav"}'
     for number, _, text in _read_lines(path):
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, object_pairs_hook=_unique_fields)
+        except _DuplicateField as dup:
+            raise DataError(
+                path, f"field '{dup.name}' appears twice in one object", fix, line=number
+            ) from None
         except json.JSONDecodeError as exc:
             raise DataError(path, f"invalid JSON ({exc.msg})", fix, line=number) from None
+        except (ValueError, RecursionError) as exc:  # a number too long, nesting too deep
+            problem = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise DataError(path, f"invalid JSON ({problem})", fix, line=number) from None
         if not isinstance(obj, dict):
             raise DataError(path, "line is not a JSON object", fix, line=number)
         for name in ("key", "spk", "wav"):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedvox.data.corpus import Corpus
+from fedvox.data.corpus import Corpus, numbered_lines, read_text
 from fedvox.errors import ConfigError, DataError
 
 _KALDI_LABELS = {"target": True, "nontarget": False}
@@ -64,19 +64,12 @@ def _line_format(fields: list[str]) -> str | None:
 def read_trials(path: Path, corpus: Corpus) -> TrialList:
     """Read a VoxCeleb or Kaldi trial list (detected per file); tokens resolved in `corpus`."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DataError(path, "trial list does not exist", "check the path") from None
-    except UnicodeDecodeError:
-        raise DataError(path, "trial list is not UTF-8 text", "save it as UTF-8 text") from None
-    except OSError as exc:
-        raise DataError(path, f"cannot be read ({exc.strerror})", "check the file") from None
+    text = read_text(path, "trial list")
 
     fmt: str | None = None
     fmt_line = 0
     trials: list[Trial] = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    for number, raw in numbered_lines(text):
         stripped = raw.strip()
         if not stripped or stripped.startswith("#"):
             continue

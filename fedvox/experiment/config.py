@@ -6,6 +6,7 @@ receives typed values, never raw dictionaries.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import tomllib
@@ -51,7 +52,7 @@ class _Strict(BaseModel):
 class SyntheticSection(_Strict):
     """Settings of the embedded synthetic corpus (see docs/synthetic.md)."""
 
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="integer >= 0: seeds every random stream")
     n_train_speakers: int = Field(200, ge=2)
     n_test_speakers: int = Field(40, ge=2)
     train_utts_per_speaker: int = Field(16, ge=2)
@@ -118,7 +119,7 @@ class WorldSection(_Strict):
     None keeping the domain's own. Domain details beyond these are set in Python.
     """
 
-    seed: int = Field(default_factory=lambda: _world_default("seed"))
+    seed: int = Field(default_factory=lambda: _world_default("seed"), ge=0)
     public_speakers: int = Field(
         default_factory=lambda: _world_default("public_speakers"),
         ge=1,
@@ -791,7 +792,7 @@ class ExperimentConfig(_Strict):
     """A whole run: data, features, model, training, evaluation, and the seed."""
 
     name: str = "run"
-    seed: int = 0
+    seed: int = Field(0, ge=0, description="integer >= 0: seeds every random stream")
     data: DataSection = DataSection()
     features: FeaturesSection = FeaturesSection()
     model: ModelSection = ModelSection()
@@ -863,11 +864,29 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Ex
         raise ConfigError(
             "(file)", f"config file {path} does not exist", "give the path of a .toml file"
         )
+    data = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     try:
-        d = tomllib.loads(path.read_text())
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            "(encoding)",
+            f"line {line} is not UTF-8 text (TOML files are UTF-8)",
+            "save the file as UTF-8",
+            source=str(path),
+        ) from None
+    try:
+        d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(
             "(syntax)", f"not valid TOML: {exc}", "fix the TOML syntax", source=str(path)
+        ) from None
+    except RecursionError:
+        raise ConfigError(
+            "(syntax)",
+            "arrays or inline tables nested too deeply",
+            "fix the TOML syntax",
+            source=str(path),
         ) from None
     for key, value in (overrides or {}).items():
         set_dotted(d, key, value)

@@ -227,7 +227,8 @@ class RunFolder:
         """The newest checkpoint whose hash verifies; corrupt ones are skipped with a warning."""
         for path in reversed(self._checkpoints()):
             side = path.with_suffix(".sha256")
-            ok = side.is_file() and side.read_text().strip() == sha256_file(path)
+            # Compared as bytes: a torn sidecar need not be text.
+            ok = side.is_file() and side.read_bytes().strip() == sha256_file(path).encode()
             if ok:
                 try:
                     state = torch.load(path, map_location="cpu", weights_only=False)

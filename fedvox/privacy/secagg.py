@@ -540,7 +540,14 @@ class SecAggClient:
     def _cipher(self, peer: int) -> ChaCha20Poly1305:
         if peer not in self._aead:
             assert self._s_sk is not None
-            shared = self._s_sk.exchange(X25519PublicKey.from_public_bytes(self._peers[peer][1]))
+            try:
+                shared = self._s_sk.exchange(
+                    X25519PublicKey.from_public_bytes(self._peers[peer][1])
+                )
+            except ValueError:  # not 32 bytes, or a low-order point (an all-zero secret)
+                raise self._refuse(
+                    f"client {peer}'s share-encryption key is not a usable X25519 public key"
+                ) from None
             key = hkdf(shared, b"fedvox/secagg/share-encryption/" + self.params.session)
             self._aead[peer] = ChaCha20Poly1305(key)
         return self._aead[peer]
@@ -618,7 +625,12 @@ class SecAggClient:
         for v in sorted(self._held):
             if v == self.id:
                 continue
-            pad = stream(mask_key(self._c_sk, self._peers[v][0], p.session))
+            try:
+                pad = stream(mask_key(self._c_sk, self._peers[v][0], p.session))
+            except ValueError:  # not 32 bytes, or a low-order point
+                raise self._refuse(
+                    f"client {v}'s mask key is not a usable X25519 public key"
+                ) from None
             # The smaller id adds, the larger subtracts: the pair cancels in the sum.
             (np.add if self.id < v else np.subtract)(y, pad, out=y)
         return MaskedInput(self.id, p.finish(y).tobytes())
@@ -724,6 +736,11 @@ class SecAggServer:
         for m in messages:
             if not 0 <= m.sender < self.params.n or m.sender in self._keys:
                 raise SecAggAbort(f"unexpected AdvertiseKeys from client {m.sender}")
+            for key in (m.c_public, m.s_public):
+                if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+                    raise SecAggAbort(
+                        f"client {m.sender} advertised a public key that is not {KEY_BYTES} bytes"
+                    )
             self._keys[m.sender] = (m.c_public, m.s_public)
             if self.params.signed:
                 self._key_sigs[m.sender] = m.signature
@@ -755,9 +772,12 @@ class SecAggServer:
         if message.sender not in self._shared or message.sender in self._masked:
             raise SecAggAbort(f"unexpected masked input from client {message.sender}")
         p = self.params
+        if len(message.data) != p.dim * p.dtype.itemsize:
+            raise SecAggAbort(
+                f"masked input of client {message.sender} has {len(message.data)} bytes, "
+                f"not {p.dim * p.dtype.itemsize} ({p.dim} x {p.dtype})"
+            )
         vec = np.frombuffer(message.data, dtype=p.dtype)
-        if vec.shape != (p.dim,):
-            raise SecAggAbort(f"masked input of client {message.sender} has the wrong length")
         if self._sum is None:
             self._sum = vec.copy()
         else:
@@ -855,7 +875,10 @@ class SecAggServer:
             if private.public_key().public_bytes_raw() != self._keys[d][0]:
                 raise SecAggAbort(f"client {d}'s reconstructed mask key does not match its key")
             for u in alive:
-                pad = stream(mask_key(private, self._keys[u][0], p.session))
+                try:
+                    pad = stream(mask_key(private, self._keys[u][0], p.session))
+                except ValueError:  # a low-order point: u's own clients would have refused
+                    raise SecAggAbort(f"client {u}'s mask key is not usable") from None
                 # u added +pad when u < d, −pad otherwise: undo it.
                 (np.subtract if u < d else np.add)(total, pad, out=total)
         self._sum = None
