@@ -22,6 +22,7 @@ from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.clock import Availability, DelayModel, EventQueue
 from fedvox.fl.local import ClientConfig, ClientResults, Task, train_clients
 from fedvox.fl.population import Population
+from fedvox.fl.selection import draw_cohort, draw_one
 from fedvox.records import EpochRecord, ServerStepRecord, TripRecord
 from fedvox.rng import Purpose, derived_rng
 from fedvox.types import Params
@@ -46,9 +47,6 @@ def plain_client_update(
 
 
 log = logging.getLogger(__name__)
-
-# Rejection-sampling tries before an async selection falls back to scanning every client.
-_SELECT_TRIES = 64
 
 
 @dataclass(frozen=True)
@@ -217,33 +215,32 @@ class Simulator:
         return {t["client"] for t in self.in_flight.values()}
 
     def _select_one(self, time: float) -> int | None:
-        rng = derived_rng(self.config.seed, Purpose.SELECT, self.counters["selections"])
+        selection = self.counters["selections"]
         self.counters["selections"] += 1
         n = self.population.num_clients
         if self.config.once_per_epoch and len(self._blocked()) >= n:
             if len(self._busy) + len(self.pending) >= n:
                 return None  # nobody free even in a new epoch: wait for trips to end
             self._new_epoch(time)
-        busy = self._blocked()
         avail = self.config.availability
-        for _ in range(_SELECT_TRIES):
-            c = int(rng.integers(n))
-            if c not in busy and (avail is None or avail(c, time)):
-                return c
-        eligible = [c for c in range(n) if c not in busy and (avail is None or avail(c, time))]
-        return int(rng.choice(eligible)) if eligible else None
+        return draw_one(
+            self.config.seed,
+            selection,
+            n,
+            self._blocked(),
+            None if avail is None else lambda c: avail(c, time),
+        )
 
     def _select_cohort(self, time: float, m: int) -> list[int]:
-        rng = derived_rng(self.config.seed, Purpose.SELECT, self.counters["selections"])
+        selection = self.counters["selections"]
         self.counters["selections"] += 1
         n = self.population.num_clients
         if self.config.once_per_epoch and n - len(self._blocked()) < m:
             self._new_epoch(time)  # too few unused clients left for a whole cohort
         if self.config.availability is None and not self.in_flight and not self.used:
-            return [int(c) for c in rng.choice(n, size=m, replace=False)]
+            return draw_cohort(self.config.seed, selection, n, m)
         eligible = np.array([c for c in range(n) if self._eligible(c, time)], dtype=np.int64)
-        m = min(m, len(eligible))
-        return [int(c) for c in rng.choice(eligible, size=m, replace=False)]
+        return draw_cohort(self.config.seed, selection, n, m, eligible)
 
     def _launch(self, client: int, time: float) -> None:
         trip_id = self.counters["trips_started"]
