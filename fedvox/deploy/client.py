@@ -1,0 +1,55 @@
+"""A deployed node's side: answer the server's requests with the local-training core.
+
+Runtime-free (fedvox.deploy.flower wraps it in a ClientApp). A node trains exactly what the
+simulator trains for the same (client, trip) and start params, so a deployment can equal it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedvox.deploy.grid import QUERY, TRAIN, DeployError, Envelope, Value
+from fedvox.fl.local import ClientConfig, Task
+from fedvox.fl.population import Population
+from fedvox.fl.simulator import ClientUpdate, plain_client_update
+from fedvox.types import Params
+
+
+@dataclass
+class ClientNode:
+    """What one node holds: the task, the data of its client `client` (keyed in `population`
+    by that federation-wide id, so its batches are the simulator's), local-training settings."""
+
+    task: Task
+    population: Population
+    client: int
+    config: ClientConfig
+    update: ClientUpdate = plain_client_update
+
+    def handle(self, request: Envelope) -> Envelope:
+        """The reply to one request: the node's identity (QUERY) or its update (TRAIN)."""
+        if request.kind == QUERY:
+            n = int(self.population.num_examples(self.client))
+            return self._reply(request, values={"client": self.client, "num_examples": n})
+        if request.kind != TRAIN:
+            raise DeployError(f"unknown request kind {request.kind!r}")
+        client, trip = int(request.values["client"]), int(request.values["trip"])
+        if client != self.client:  # the server's node map is stale: refuse, never train others
+            raise DeployError(f"asked to train client {client}; this node holds {self.client}")
+        start = dict(request.arrays)
+        res = self.update(self.task, self.population, [(client, trip)], [start], self.config)
+        values = {
+            "client": client,
+            "trip": trip,
+            "num_examples": int(res.num_examples[0]),
+            "loss": float(res.loss[0]),
+        }
+        return self._reply(request, {n: d[0] for n, d in res.delta.items()}, values)
+
+    def _reply(
+        self,
+        request: Envelope,
+        arrays: Params | None = None,
+        values: dict[str, Value] | None = None,
+    ) -> Envelope:
+        return Envelope(request.node, request.kind, arrays or {}, values or {}, request.group)

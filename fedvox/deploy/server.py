@@ -1,0 +1,251 @@
+"""The deployed server: fedvox's Algorithm and aggregation pipeline driven over a push/pull grid.
+
+Runtime-free (fedvox.deploy.flower hands it Flower's Grid). Cohorts come from fl.selection
+with the simulator's seed and selection counter, and updates are aggregated in arrival
+order, so a deployment whose replies arrive in the simulator's order ends on its weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from fedvox.deploy.grid import ERROR, QUERY, TRAIN, DeployError, Envelope, Grid
+from fedvox.errors import ConfigError, StepSkipped
+from fedvox.fl.aggregation import Aggregator, stack
+from fedvox.fl.algorithms.base import Algorithm
+from fedvox.fl.selection import draw_cohort, draw_one
+from fedvox.types import Params
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The cohort and patience: C trips at once (sync: a round of ceil(C·(1+o)) invited),
+    the selection seed, how often to poll the grid and how long to wait for a reply."""
+
+    concurrency: int = 10
+    over_selection: float = 0.0
+    seed: int = 0
+    poll_interval: float = 0.05
+    reply_timeout: float | None = None
+    max_empty_rounds: int = 10
+
+
+@dataclass
+class _Trip:
+    client: int
+    trip: int
+    version: int
+    start: Params
+
+
+@dataclass
+class StepLog:
+    """What one server step aggregated: (client, trip) and staleness in arrival order, how
+    many updates the aggregator kept, and their mean loss."""
+
+    step: int
+    jobs: list[tuple[int, int]]
+    staleness: list[int]
+    updates: int
+    loss: float
+
+
+@dataclass
+class DeployServer:
+    """Global parameters, the algorithm (with its server optimiser) and the aggregator; `run`
+    drives them over a grid until `steps` server steps are done."""
+
+    params: Params
+    algorithm: Algorithm
+    aggregator: Aggregator
+    config: ServerConfig
+    step: int = 0
+    history: list[StepLog] = field(default_factory=list)
+    on_step: Callable[[StepLog], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.params = {n: t.detach().clone() for n, t in self.params.items()}
+        self.selections = 0
+        self.trips: dict[int, int] = {}  # trips started per client: keys the client's batches
+        self.nodes: dict[int, int] = {}  # federation-wide client id -> node id
+
+    def run(self, grid: Grid, steps: int) -> Params:
+        """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
+        self.discover(grid)
+        self.algorithm.validate(self.config.concurrency)
+        if self.config.concurrency > len(self.nodes):
+            raise ConfigError(
+                "concurrency",
+                f"C={self.config.concurrency} exceeds the {len(self.nodes)} connected nodes",
+            )
+        if self.algorithm.barrier:
+            self._run_sync(grid, steps)
+        else:
+            self._run_async(grid, steps)
+        return self.params
+
+    def discover(self, grid: Grid) -> None:
+        """Ask every node which client it holds; clients are numbered 0..n-1 as in the
+        simulator's population."""
+        nodes = grid.nodes()
+        ids = grid.push([Envelope(node, QUERY) for node in nodes])
+        replies = self._collect(grid, ids, len(ids))
+        self.nodes = {int(r.values["client"]): r.node for r in replies if r.kind != ERROR}
+        if sorted(self.nodes) != list(range(len(self.nodes))):
+            raise DeployError(f"nodes hold clients {sorted(self.nodes)}, not 0..n-1")
+
+    # -- synchronous: a barrier per round --------------------------------------------
+
+    def _run_sync(self, grid: Grid, steps: int) -> None:
+        c, n = self.config.concurrency, len(self.nodes)
+        m = min(math.ceil(c * (1 + self.config.over_selection)), n)
+        empty = 0
+        while self.step < steps:
+            cohort = draw_cohort(self.config.seed, self.selections, n, m)
+            self.selections += 1
+            sent = {
+                i: self._trip(cl) for i, cl in zip(self._push(grid, cohort), cohort, strict=True)
+            }
+            arrived: list[tuple[_Trip, Envelope]] = []
+            for reply in self._collect(grid, list(sent), c, count_errors=True):
+                if reply.kind != ERROR:  # a failed trip is a dropout: it resolves, uploads nothing
+                    arrived.append((sent[reply.reply_to], reply))
+            if arrived:
+                self._server_step(arrived[:c])
+                empty = 0
+            else:
+                empty += 1
+                if empty >= self.config.max_empty_rounds:
+                    raise DeployError(f"{empty} rounds in a row with no reply from any node")
+
+    # -- asynchronous: C trips in flight, a server step per K arrivals ----------------
+
+    def _run_async(self, grid: Grid, steps: int) -> None:
+        k = self.algorithm.updates_per_step(self.config.concurrency)
+        in_flight: dict[str, _Trip] = {}
+        pending: list[tuple[_Trip, Envelope]] = []
+        self._fill(grid, in_flight)
+        waited = time.monotonic()
+        while self.step < steps:
+            if not in_flight:
+                raise DeployError("no trip in flight and no node to invite")
+            replies = grid.pull(list(in_flight))
+            if not replies:
+                self._wait(waited)
+                continue
+            waited = time.monotonic()
+            for reply in replies:
+                trip = in_flight.pop(reply.reply_to)
+                if reply.kind != ERROR:
+                    tau = self.step - trip.version
+                    max_tau = self.algorithm.max_staleness
+                    if max_tau is None or tau <= max_tau:
+                        pending.append((trip, reply))
+                if len(pending) >= k:
+                    self._server_step(pending)
+                    pending = []
+                self._fill(grid, in_flight)
+                if self.step >= steps:
+                    break
+
+    def _fill(self, grid: Grid, in_flight: dict[str, _Trip]) -> None:
+        while len(in_flight) < self.config.concurrency:
+            busy = {t.client for t in in_flight.values()}
+            client = draw_one(self.config.seed, self.selections, len(self.nodes), busy)
+            self.selections += 1
+            if client is None:
+                return
+            (rid,) = self._push(grid, [client])
+            in_flight[rid] = self._trip(client)
+
+    # -- shared ----------------------------------------------------------------------
+
+    def _trip(self, client: int) -> _Trip:
+        """Open the next trip of `client` from the current version (bookkeeping only)."""
+        trip = self.trips.get(client, 0)
+        self.trips[client] = trip + 1
+        return _Trip(client, trip, self.step, self.params)
+
+    def _push(self, grid: Grid, clients: list[int]) -> list[str]:
+        """Send the current global params to each client's node; the trip number the request
+        carries is the one `_trip` opens next for that client."""
+        requests = [
+            Envelope(
+                self.nodes[c],
+                TRAIN,
+                self.params,
+                {"client": c, "trip": self.trips.get(c, 0), "version": self.step},
+                group=str(self.step + 1),
+            )
+            for c in clients
+        ]
+        return grid.push(requests)
+
+    def _wait(self, since: float) -> None:
+        timeout = self.config.reply_timeout
+        if timeout is not None and time.monotonic() - since > timeout:
+            raise DeployError(f"no reply for {timeout} s")
+        time.sleep(self.config.poll_interval)
+
+    def _collect(
+        self, grid: Grid, ids: list[str], want: int, count_errors: bool = False
+    ) -> list[Envelope]:
+        """Pull until `want` replies (errors count only toward everything resolving) or all of
+        `ids` resolved or the reply timeout; replies in arrival order."""
+        waiting, got, ok = set(ids), [], 0
+        start = time.monotonic()
+        while waiting and ok < want:
+            replies = grid.pull(sorted(waiting))
+            for reply in replies:
+                waiting.discard(reply.reply_to)
+                got.append(reply)
+                ok += reply.kind != ERROR or not count_errors
+                if ok >= want:
+                    break
+            if not replies:
+                timeout = self.config.reply_timeout
+                if timeout is not None and time.monotonic() - start > timeout:
+                    log.warning(
+                        "%d of %d requests unanswered after %s s", len(waiting), len(ids), timeout
+                    )
+                    break
+                time.sleep(self.config.poll_interval)
+        return got
+
+    def _server_step(self, arrived: list[tuple[_Trip, Envelope]]) -> None:
+        """Stack the updates in arrival order, weight, aggregate, apply (Simulator._flush)."""
+        jobs = [(t.client, t.trip) for t, _ in arrived]
+        for (_, r), job in zip(arrived, jobs, strict=True):
+            if (int(r.values["client"]), int(r.values["trip"])) != job:
+                raise DeployError(f"reply for {(r.values['client'], r.values['trip'])}, sent {job}")
+        delta = stack([r.arrays for _, r in arrived])
+        n_ex = torch.tensor([int(r.values["num_examples"]) for _, r in arrived])
+        loss = torch.tensor([float(r.values["loss"]) for _, r in arrived])
+        staleness = torch.tensor([self.step - t.version for t, _ in arrived], dtype=torch.float64)
+        weights = self.algorithm.client_weights(n_ex, staleness)
+        try:
+            kept = self.aggregator.accumulate(delta, weights, jobs)
+            total, weight, count = self.aggregator.result()
+        except StepSkipped as err:
+            self.aggregator.skip_step(err.metrics)
+            log.warning("server step %d skipped, model unchanged: %s", self.step + 1, err.reason)
+            kept, count, total = torch.isfinite(loss), 0, None
+        if total is not None:
+            starts = [t.start for t, _ in arrived]
+            new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
+            self.params = {n: t.detach() for n, t in new.items()}
+        self.step += 1
+        mean_loss = float(loss[kept].mean()) if bool(kept.any()) else math.nan
+        taus = [int(t) for t in staleness.tolist()]
+        record = StepLog(self.step, jobs, taus, count, mean_loss)
+        self.history.append(record)
+        if self.on_step is not None:
+            self.on_step(record)
