@@ -105,6 +105,7 @@ class DeployServer:
     # -- synchronous: a barrier per round --------------------------------------------
 
     def _run_sync(self, grid: Grid, steps: int) -> None:
+        """Rounds until `steps`: invite a cohort, aggregate the first C updates to arrive."""
         c, n = self.config.concurrency, len(self.nodes)
         m = min(math.ceil(c * (1 + self.config.over_selection)), n)
         empty = 0
@@ -129,6 +130,8 @@ class DeployServer:
     # -- asynchronous: C trips in flight, a server step per K arrivals ----------------
 
     def _run_async(self, grid: Grid, steps: int) -> None:
+        """Keep C trips in flight; each arrival is buffered (or dropped as stale), a server
+        step every K, then its slot is refilled from the newest version."""
         k = self.algorithm.updates_per_step(self.config.concurrency)
         in_flight: dict[str, _Trip] = {}
         pending: list[tuple[_Trip, Envelope]] = []
@@ -157,6 +160,7 @@ class DeployServer:
                     break
 
     def _fill(self, grid: Grid, in_flight: dict[str, _Trip]) -> None:
+        """Invite idle clients, one draw each, until C trips are in flight."""
         while len(in_flight) < self.config.concurrency:
             busy = {t.client for t in in_flight.values()}
             client = draw_one(self.config.seed, self.selections, len(self.nodes), busy)
@@ -190,6 +194,7 @@ class DeployServer:
         return grid.push(requests)
 
     def _wait(self, since: float) -> None:
+        """Sleep one poll interval, or give up once nothing arrived for `reply_timeout`."""
         timeout = self.config.reply_timeout
         if timeout is not None and time.monotonic() - since > timeout:
             raise DeployError(f"no reply for {timeout} s")
