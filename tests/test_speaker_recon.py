@@ -527,13 +527,16 @@ def test_domain_clusters_find_the_groups_and_drop_small_ones() -> None:
         dim=-1,
     )
     seeds = F.normalize(torch.randn(20, dim), dim=-1)  # the server's own vectors
-    got = domain_clusters(e, seeds, k=3, min_size=10)
-    assert len(got) == 2
+    full = domain_clusters(e, seeds, k=3, min_size=10)
+    assert full.shape == (3, dim)  # always k rows: the same broadcast shape every version
+    kept = full.abs().sum(-1) > 0
+    assert int(kept.sum()) == 2  # the small cluster is an all-zero (absent) row
+    got = full[kept]
     # each kept centroid is the normalised mean of one big group, found from the seeds alone
     want = [F.normalize(g.mean(0), dim=0) for g in (e[:40], e[40:65])]
     for w in want:
         assert max(float(c @ w) for c in got) > 0.999
-    assert torch.equal(got, domain_clusters(e, seeds, k=3, min_size=10))  # deterministic
+    assert torch.equal(full, domain_clusters(e, seeds, k=3, min_size=10))  # deterministic
     with pytest.raises(ConfigError, match="panel"):
         DomainClusters(torch.zeros(9, 1, dim), k=4, min_size=10)
 
@@ -550,9 +553,27 @@ def test_device_clusters_are_appended_to_the_negatives() -> None:
     assert set(got.delta) == set(v0)
     pub = public_prototypes(task, v0, public)
     cent = domain_clusters(normalised_embeddings(task, v0, panel), pub, k=2, min_size=1)
-    assert len(cent) >= 1
+    assert cent.shape[0] == 2
     sent = {**v0, NEGATIVES: torch.cat([pub, cent])}
     ref = train_clients_recon(task, pop, jobs, [sent] * 6, cfg, RECON)
     assert all(torch.equal(got.delta[n], ref.delta[n]) for n in v0)
     plain = make_speaker_recon_update(public, RECON)(task, pop, jobs, [v0] * 6, cfg)
     assert not torch.equal(plain.delta["extractor.l1.weight"], got.delta["extractor.l1.weight"])
+
+
+def test_absent_cluster_rows_are_skipped_and_versions_batch_together() -> None:
+    pop, public, task = one_speaker_population(6), public_store(), make_task()
+    v0 = task.init_params()
+    v1 = {n: t + 0.01 for n, t in v0.items()}
+    jobs, cfg = [(c, 0) for c in range(6)], ClientConfig(batch_size=2, lr=0.03)
+    pub = public_prototypes(task, v0, public)
+    cent = F.normalize(torch.randn(2, pub.shape[1], generator=torch.Generator().manual_seed(1)))
+    # one version with two clusters, the other with one present and one absent (zero) row
+    a = {**v0, NEGATIVES: torch.cat([pub, cent])}
+    b = {**v1, NEGATIVES: torch.cat([pub, cent[:1], torch.zeros_like(cent[:1])])}
+    got = train_clients_recon(task, pop, jobs, [a, a, a, b, b, b], cfg, RECON)
+    # an absent row changes nothing: the same as sending only the present rows
+    b_short = {**v1, NEGATIVES: torch.cat([pub, cent[:1]])}
+    ref = train_clients_recon(task, pop, jobs[3:], [b_short] * 3, cfg, RECON)
+    for n in v0:
+        assert torch.allclose(got.delta[n][3:], ref.delta[n], atol=1e-6)

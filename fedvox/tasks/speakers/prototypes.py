@@ -194,7 +194,9 @@ class SpeakerReconTask(nn.Module):
             extra = e @ neg.transpose(0, 1)  # [B, P]
             cos = torch.cat([own, extra], -1)
             target = torch.cat([is_target, torch.zeros_like(extra, dtype=torch.bool)], -1)
-            valid = torch.cat([valid, torch.ones_like(extra, dtype=torch.bool)], -1)
+            # an all-zero row is an absent negative (a device cluster below its minimum size)
+            live = (params[NEGATIVES].detach().abs().sum(-1) > 0).unsqueeze(0).expand_as(extra)
+            valid = torch.cat([valid, live], -1)
         logits = aam_logits(cos, target, self.scale, self.margin)
         logits = torch.where(valid, logits, torch.full_like(logits, _ABSENT))
         per = torch.logsumexp(logits, -1) - (logits * target).sum(-1)

@@ -202,13 +202,15 @@ class DomainClusters:
 def domain_clusters(
     e: Tensor, seeds: Tensor, k: int, min_size: int = 10, iters: int = 20
 ) -> Tensor:
-    """Centroids [<=k, emb] of a spherical k-means of unit embeddings e [N, emb].
+    """Centroids [k, emb] of a spherical k-means of unit embeddings e [N, emb]; a cluster of
+    fewer than `min_size` members is an all-zero row (absent: the loss skips it), so every
+    version broadcasts the same shape (FedBuff trains clients of several versions together).
 
     Initialised from k of the server's own unit vectors `seeds` (the public prototypes,
     spread by farthest-point selection), so every Lloyd step needs only per-cluster sums and
     counts of the devices' embeddings: what secure aggregation reveals in a deployment
-    (federated k-means). Clusters of fewer than `min_size` members are dropped. Deterministic:
-    no random draw, ties broken by index.
+    (federated k-means); a small cluster is never revealed. Deterministic: no random draw,
+    ties broken by index.
     """
     with torch.no_grad():
         pick = [0]
@@ -223,9 +225,11 @@ def domain_clusters(
             assign = torch.argmax(e @ c.transpose(0, 1), dim=1)
             sums = torch.zeros_like(c).index_add_(0, assign, e)
             counts = torch.bincount(assign, minlength=len(c)).to(e.dtype)
-            # an empty cluster keeps its centroid (it is dropped below if it stays small)
+            # an empty cluster keeps its centroid (it is zeroed below if it stays small)
             c = torch.where(counts.unsqueeze(1) > 0, F.normalize(sums, dim=-1), c)
-        return c[counts >= min_size]
+        out = torch.zeros(k, e.shape[1], dtype=e.dtype)
+        out[: len(c)] = torch.where((counts >= min_size).unsqueeze(1), c, torch.zeros_like(c))
+        return out
 
 
 def with_negatives(task: Embedder, params: Params, public: PublicStore) -> Params:
