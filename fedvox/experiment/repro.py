@@ -353,8 +353,10 @@ STUDIES: dict[str, Study] = {
             "epochs; local speakers with the world's public speakers as negatives. ft-* arms "
             "start from the public-only model (federated.init_from; their manifests record its "
             "weights hash) with small learning rates (server SGD 0.05 -> 0.02, FedBuff half that, "
-            "local SGD 0.01). Centralised arms: the "
-            "default trainer (2,000 steps of 64 random 2–3 s crops).",
+            "local SGD 0.01). *-clusters arms add device-domain negatives: domain centring "
+            "and the centroids of a k-means (k = 32) of 1,000 panel devices' embeddings, each "
+            "cluster of >= 10 devices (federated.reconstruction.device_clusters). Centralised "
+            "arms: the default trainer (2,000 steps of 64 random 2–3 s crops).",
             "Gap closed = (EER_public-only − EER_arm) / (EER_public-only − EER_oracle): 0 is "
             "what the server reaches alone, 1 the pooled-device oracle; below 0 the arm is "
             "worse than not federating at all. Offset: the mean cosine between different "
