@@ -38,9 +38,19 @@ SetOpt = Annotated[
     ),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--device",
+        help='Where to train and embed: "cpu", "cuda" or "cuda:N" (same as --set '
+        'train.device="cuda"; the federated server stays on the CPU).',
+    ),
+]
 
 
-def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
+def _config(
+    path: Path | None, sets: list[str] | None, name: str | None = None, device: str | None = None
+):
     from fedvox.experiment.config import (
         ExperimentConfig,
         config_from_dict,
@@ -51,6 +61,8 @@ def _config(path: Path | None, sets: list[str] | None, name: str | None = None):
     )
 
     overrides = dict(parse_override(s) for s in (sets or []))
+    if device is not None:
+        overrides["train.device"] = device
     if path is not None:
         cfg = load_config(path, overrides)
     else:
@@ -118,6 +130,7 @@ def demo(
             "(`make numbers` writes docs/results/demo.json, which the README quotes)."
         ),
     ] = None,
+    device: DeviceOpt = None,
 ) -> None:
     """Generate the embedded corpus if absent, extract features, train, evaluate, report.
 
@@ -130,7 +143,7 @@ def demo(
     from fedvox.experiment.runner import run_experiment, write_demo_results
 
     t0 = time.perf_counter()
-    cfg = _config(None, sets, name="demo")
+    cfg = _config(None, sets, name="demo", device=device)
     outcome = run_experiment(cfg, _free_run_dir(out_dir), progress=not quiet)
     _print_outcome(outcome)
     if results is not None:
@@ -193,6 +206,7 @@ def train(
     sets: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Reuse an existing run folder.")] = False,
     quiet: QuietOpt = False,
+    device: DeviceOpt = None,
 ) -> None:
     """Train an extractor centrally on a config and evaluate it; writes a run folder.
 
@@ -201,7 +215,7 @@ def train(
     """
     from fedvox.experiment.runner import run_experiment
 
-    cfg = _config(config, sets)
+    cfg = _config(config, sets, device=device)
     outcome = run_experiment(
         cfg, out_dir or Path("runs") / cfg.name, progress=not quiet, overwrite=overwrite
     )

@@ -25,8 +25,11 @@ def embed_utterances(
 
     Utterances go one at a time rather than padded together: padding would change the
     mean/std statistics pooling, and a batch must not change an utterance's embedding.
-    `max_frames` caps very long utterances (memory), using their first frames.
+    `max_frames` caps very long utterances (memory), using their first frames. Runs where
+    the extractor's parameters are (a GPU when it was moved there).
     """
+    first = next(extractor.parameters(), None)
+    device = torch.device("cpu") if first is None else first.device
     was_training = extractor.training
     extractor.eval()
     out = []
@@ -35,7 +38,7 @@ def embed_utterances(
             if max_frames is not None:
                 f = f[:max_frames]
             x = torch.from_numpy(np.ascontiguousarray(f, dtype=np.float32)).unsqueeze(0)
-            out.append(extractor(x)[0].numpy())
+            out.append(extractor(x.to(device))[0].cpu().numpy())
             if progress is not None:
                 progress(1)
     finally:

@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from fedvox.errors import ConfigError
 
+# fedvox.device.DEVICE_PATTERN, repeated so that loading a config does not import torch
+DEVICE_PATTERN = r"^(cpu|cuda(:\d+)?)$"
+
 if TYPE_CHECKING:  # engine types, imported lazily so `fedvox config` stays light
     from fedvox.data.features import FeatureConfig
     from fedvox.data.partition import PartitionConfig
@@ -340,6 +343,13 @@ class TrainSection(_Strict):
     checkpoint_every: int = Field(100, ge=1)
     threads: int = Field(
         2, ge=1, description="torch threads; results are identical only for the same value"
+    )
+    device: str = Field(
+        "cpu",
+        pattern=DEVICE_PATTERN,
+        description='"cpu", "cuda" or "cuda:N": centralised training, embedding extraction and '
+        "the simulator's client training (the server stays on the CPU); bits are the same "
+        "on reruns on the same hardware, not between CPU and GPU",
     )
     augment: AugmentSection = AugmentSection()
 
@@ -812,8 +822,17 @@ class ExperimentConfig(_Strict):
         return json.loads(self.model_dump_json())
 
     def hash(self) -> str:
-        """Stable short hash of the resolved config (goes in the manifest)."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        """Stable short hash of the resolved config (goes in the manifest).
+
+        Over what decides the bits: federated.backend (where client training runs: the same
+        bits on any backend) is left out, and so is train.device when it is the default
+        "cpu", so configs from before these fields keep their hash."""
+        d = self.to_dict()
+        if d["train"].get("device") == "cpu":
+            del d["train"]["device"]
+        if d.get("federated"):
+            d["federated"].pop("backend", None)
+        blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from torch import nn
 
+from fedvox.device import module_on
 from fedvox.eval.backend import BackendConfig, evaluate_extractor
 from fedvox.experiment.config import EvalSection, ExperimentConfig
 from fedvox.experiment.prepare import PreparedData
@@ -27,14 +28,14 @@ def backend_config(section: EvalSection) -> BackendConfig:
 def quick_eval(extractor: nn.Module, cfg: ExperimentConfig, data: PreparedData) -> dict:
     """Held-out cosine metrics with at most 500 training utterances for the mean: cheap
     enough to run during training (centralised and federated alike), plus the held-out
-    speakers' common offset (eval.backend.speaker_offset)."""
+    speakers' common offset (eval.backend.speaker_offset). Embeds on cfg.train.device."""
     settings = replace(
         backend_config(cfg.eval),
         backends=("cosine",),
         max_train_utts=min(500, cfg.eval.max_train_utts),
     )
     res, _ = evaluate_extractor(
-        extractor,
+        module_on(extractor, cfg.train.device),
         *data.backend_data(),
         data.test_feats,
         data.trials,

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from fedvox.data.partition import Partition, partition_corpus
+from fedvox.device import resolve_device
 from fedvox.errors import ConfigError
 from fedvox.experiment.compression import build_compression
 from fedvox.experiment.config import (
@@ -31,7 +32,8 @@ from fedvox.experiment.robust import build_robust
 from fedvox.experiment.runfolder import RunFolder, count_lines, truncate_lines
 from fedvox.fl import Algorithm, Population, Simulator
 from fedvox.fl.attack import make_attack_update, malicious_clients
-from fedvox.fl.simulator import SimRecord, plain_client_update
+from fedvox.fl.local.placement import on_device
+from fedvox.fl.simulator import ClientUpdate, SimRecord, plain_client_update
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.progress import task_progress
@@ -124,6 +126,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         task = _global_task(cfg, data)
     if f.server_learning is not None:
         algorithm = _server_learning(cfg, data, task, algorithm)
+    client_update = _placed(cfg, client_update)
     if f.attack.fraction > 0:  # on the devices: after honest training, before the server
         attack = f.attack.attack_config(cfg.seed)
         malicious = malicious_clients(population.num_clients, attack.fraction, cfg.seed)
@@ -151,6 +154,23 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         )
     setup.simulator = sim
     return setup
+
+
+def _placed(cfg: ExperimentConfig, update: ClientUpdate | None) -> ClientUpdate | None:
+    """The client update on train.device (the server stays on the CPU); None: the plain
+    in-process one."""
+    device = resolve_device(cfg.train.device)
+    if device.type == "cpu":
+        return update
+    f = cfg.federated
+    assert f is not None
+    if f.speakers == "local":
+        raise ConfigError(
+            "train.device",
+            "federated.speakers = 'local' (public negatives) trains on the CPU only for now",
+            'set train.device = "cpu" for this mode, or use speakers = "global_head"',
+        )
+    return on_device(update or plain_client_update, device)
 
 
 def build_algorithm(f: FederatedSection) -> Algorithm:
@@ -299,7 +319,7 @@ def run_federated(
     """
     f = cfg.federated
     assert f is not None
-    set_determinism(cfg.train.threads)
+    set_determinism(cfg.train.threads, cfg.train.device)
     setup = build_setup(cfg, data)
     sim, task = setup.simulator, setup.task
     trips_path = run.path / TRIPS_FILE

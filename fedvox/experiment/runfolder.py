@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fedvox.atomic import atomic_write, atomic_write_text, sha256_file
+from fedvox.device import determinism_settings
 from fedvox.errors import FedvoxError
 from fedvox.experiment.config import ExperimentConfig, dump_toml, load_config
 from fedvox.models.io import MODEL_FILE, load_model
@@ -95,6 +96,9 @@ def build_manifest(cfg: ExperimentConfig, extra: dict[str, Any] | None = None) -
         "cpu_isa": torch.backends.cpu.get_cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": cfg.train.threads,
+        # where training ran and the PyTorch switches set for it (fedvox.device)
+        "device": cfg.train.device,
+        "determinism": determinism_settings(cfg.train.device),
         "command": sys.argv,
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         **(extra or {}),

@@ -13,6 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from fedvox.atomic import atomic_write_text
+from fedvox.device import module_on, resolve_device
 from fedvox.eval.backend import (
     Backend,
     EvalResult,
@@ -106,7 +107,9 @@ def _evaluate_and_finish(
     t0: float,
     progress: bool,
 ) -> RunOutcome:
-    """Save the trained extractor, evaluate it with every back end and the baseline, report."""
+    """Save the trained extractor, evaluate it with every back end and the baseline, report.
+    The model file is written from the CPU; embeddings are extracted on cfg.train.device."""
+    extractor = extractor.cpu()
     save_model(
         run.model_path,
         extractor,
@@ -117,7 +120,7 @@ def _evaluate_and_finish(
     )
     backend_feats, backend_speaker_of = data.backend_data()
     result, backend = evaluate_extractor(
-        extractor,
+        module_on(extractor, cfg.train.device),
         backend_feats,
         backend_speaker_of,
         data.test_feats,
@@ -259,6 +262,7 @@ def run_experiment(
     cfg: ExperimentConfig, out: Path, progress: bool = True, overwrite: bool = False
 ) -> RunOutcome:
     """A fresh run of `cfg` into folder `out`."""
+    resolve_device(cfg.train.device)  # a GPU asked for but absent fails before any work
     run = RunFolder.create(out, cfg, overwrite=overwrite)
     data = prepare(cfg, progress=progress)
     run.update_manifest(
@@ -298,6 +302,7 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     """Continue a run from its newest valid checkpoint; ends where an uninterrupted run would."""
     run = RunFolder.open(path)
     cfg = run.config()
+    resolve_device(cfg.train.device)
     data = prepare(cfg, progress=progress)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=True, progress=progress)
@@ -306,7 +311,7 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     if found is not None:
         step, ckpt = found
         state.load_checkpoint(ckpt)
-        set_determinism(cfg.train.threads)
+        set_determinism(cfg.train.threads, cfg.train.device)
         run.truncate_metrics(step)
     else:
         run.truncate_metrics(0)

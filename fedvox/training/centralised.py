@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedvox.device import resolve_device, to_cpu
+from fedvox.device import set_determinism as apply_determinism
 from fedvox.models import build_extractor
 from fedvox.models.heads import AAMSoftmax, margin_schedule
 from fedvox.models.step import train_step
@@ -49,6 +51,7 @@ class TrainConfig:
     weight_decay: float
     max_grad_norm: float | None
     threads: int
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,10 @@ class CentralisedConfig:
     train: TrainConfig
 
 
-def set_determinism(threads: int) -> None:
-    """Deterministic kernels and a fixed thread count: same seed → same bits."""
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+def set_determinism(threads: int, device: str = "cpu") -> None:
+    """Deterministic kernels and a fixed thread count: same seed → same bits (on the same
+    hardware; fedvox.device.set_determinism, which also sets the CUDA switches)."""
+    apply_determinism(threads, device)
 
 
 def build_models(
@@ -112,9 +115,10 @@ class TrainState:
     def to_checkpoint(self) -> dict:
         return {
             "step": self.step,
-            "extractor": self.extractor.state_dict(),
-            "head": self.head.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            # on the CPU, so a checkpoint written on a GPU resumes anywhere
+            "extractor": to_cpu(self.extractor.state_dict()),
+            "head": to_cpu(self.head.state_dict()),
+            "optimizer": to_cpu(self.optimizer.state_dict()),
             "sampler": self.sampler.state(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -131,9 +135,12 @@ class TrainState:
 def init_training(
     cfg: CentralisedConfig, feats: list[np.ndarray], labels: np.ndarray, n_speakers: int
 ) -> TrainState:
-    """Fresh models, optimiser and chunk sampler for a config."""
-    set_determinism(cfg.train.threads)
+    """Fresh models (on cfg.train.device), optimiser and chunk sampler for a config."""
+    device = resolve_device(cfg.train.device)
+    set_determinism(cfg.train.threads, cfg.train.device)
     extractor, head = build_models(cfg, feats[0].shape[1], n_speakers)
+    extractor.to(device)
+    head.to(device)
     opt = make_optimizer([*extractor.parameters(), *head.parameters()], cfg.train)
     rng = derived_rng(cfg.seed, Purpose.CHUNKS)
     sampler = ChunkSampler(feats, labels, cfg.train.batch_size, tuple(cfg.train.chunk_frames), rng)
@@ -149,6 +156,7 @@ def train(
     """Run from state.step to cfg.train.steps; `on_step` sees each step's record (logging,
     checkpoints, periodic evaluation)."""
     t = cfg.train
+    device = resolve_device(t.device)
     state.extractor.train()
     state.head.train()
     with training_progress(t.steps, state.step, enabled=progress) as bar:
@@ -164,8 +172,8 @@ def train(
                 state.extractor,
                 state.head,
                 state.optimizer,
-                torch.from_numpy(x),
-                torch.from_numpy(y),
+                torch.from_numpy(x).to(device),
+                torch.from_numpy(y).to(device),
                 max_grad_norm=t.max_grad_norm,
             )
             if not math.isfinite(loss):

@@ -16,7 +16,7 @@ from torch.func import vmap
 
 from fedvox.errors import ConfigError
 from fedvox.fl.local.config import ClientConfig
-from fedvox.fl.local.steps import pad
+from fedvox.fl.local.steps import device_of, pad
 from fedvox.fl.local.task import LowRankTask
 from fedvox.fl.population import Population
 from fedvox.types import Params
@@ -109,8 +109,11 @@ def _init_state(plan: Plan, start: Params, x_all: Tensor, k: int, steps: int, b:
     for i in plan.lowrank:
         m = plan.layers[i]
         # the first layer's inputs are the data itself: no copy
-        xs[i] = x_all.reshape(k, rank, -1) if i == 0 else torch.empty(k, rank, m.in_features)
-        gs[i] = torch.empty(k, rank, m.out_features)  # step s writes rows s·b..(s+1)·b
+        d = x_all.device
+        xs[i] = (
+            x_all.reshape(k, rank, -1) if i == 0 else torch.empty(k, rank, m.in_features, device=d)
+        )
+        gs[i] = torch.empty(k, rank, m.out_features, device=d)  # step s writes rows s·b..(s+1)·b
     first = None
     if 0 in plan.lowrank:  # the data is known up front: every step's x W0^T in one matmul
         first = (xs[0].reshape(k * rank, -1) @ start["0.weight"].T).view(k, steps, b, -1)
@@ -180,14 +183,14 @@ def train_lowrank(
     dense copy is cheaper) are per-client tensors trained as usual.
     """
     k, b = len(batches), cfg.batch_size
-    rows, mask_t, active = pad(batches, b)
+    rows, mask_t, active = pad(batches, b, device_of(start))
     steps = rows.shape[1]
     data = population.gather(rows)  # [k, steps, b, ...]
     x_all = data[plan.task.input_key]
     loss_fn = vmap(plan.task.loss_fn)
     st = _init_state(plan, start, x_all, k, steps, b)
     p, p0 = st.p, st.p0
-    loss_sum = torch.zeros(k)
+    loss_sum = torch.zeros(k, device=mask_t.device)
     for s in range(steps):
         r0, r1 = s * b, (s + 1) * b
         h, outputs = _forward(plan, st, start, x_all[:, s], s, b)

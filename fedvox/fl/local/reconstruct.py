@@ -17,7 +17,14 @@ from fedvox.errors import ConfigError
 from fedvox.fl.aggregation import stack
 from fedvox.fl.local.config import ClientConfig, ReconConfig
 from fedvox.fl.local.split import Split, eval_splits
-from fedvox.fl.local.steps import auto_chunk, broadcast_view, objective, pad, sgd_vectorised
+from fedvox.fl.local.steps import (
+    auto_chunk,
+    broadcast_view,
+    device_of,
+    objective,
+    pad,
+    sgd_vectorised,
+)
 from fedvox.fl.local.task import ReconTask, check_recon_task
 from fedvox.fl.population import Population
 from fedvox.rng import Purpose, torch_generator
@@ -44,13 +51,13 @@ def reconstruct_stacked(
     from stacked global `g` (untouched) and initial `local`."""
     if recon.closed_form:
         m = max(sum(len(r) for r in bl) for bl in support)
-        rows, mask_t, _ = pad([[np.concatenate(bl)] for bl in support], m)
+        rows, mask_t, _ = pad([[np.concatenate(bl)] for bl in support], m, device_of(g))
         data = population.gather(rows[:, 0])
         local = vmap(task.closed_form_local)(g, data, mask_t[:, 0])  # type: ignore[attr-defined]
     local = {n: t.detach().clone() for n, t in local.items()}
     if recon.steps == 0 or not local:
         return local
-    rows, mask_t, active = pad([bl * recon.steps for bl in support], cfg.batch_size)
+    rows, mask_t, active = pad([bl * recon.steps for bl in support], cfg.batch_size, device_of(g))
     data = population.gather(rows)
     obj = objective(task.loss, replace(cfg, mu=0.0))
     sgd_vectorised(obj, local, local, g, data, mask_t, active, recon.lr)
@@ -69,13 +76,15 @@ def reconstruct_one(
     """The loop reference of reconstruct_stacked for one client (no vmap)."""
     if recon.closed_form:
         rows = np.concatenate(support)
-        local = task.closed_form_local(g, population.gather(rows), torch.ones(len(rows)))  # type: ignore[attr-defined]
+        ones = torch.ones(len(rows), device=device_of(g))
+        local = task.closed_form_local(g, population.gather(rows), ones)  # type: ignore[attr-defined]
     if recon.steps == 0 or not local:
         return dict(local)
     step_grad = grad(objective(task.loss, replace(cfg, mu=0.0)), has_aux=True)
     for _ in range(recon.steps):
         for r in support:
-            gl, _ = step_grad(local, local, g, population.gather(r), torch.ones(len(r)))
+            ones = torch.ones(len(r), device=device_of(g))
+            gl, _ = step_grad(local, local, g, population.gather(r), ones)
             local = {n: local[n] - recon.lr * gl[n] for n in local}
     return local
 

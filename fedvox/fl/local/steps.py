@@ -40,9 +40,16 @@ def auto_chunk(params: Params, k: int) -> int:
     return max(1, min(k, CHUNK_BYTES // max(per_client, 1)))
 
 
-def pad(batches: list[list[np.ndarray]], b: int) -> tuple[np.ndarray, Tensor, Tensor]:
+def device_of(params: Params) -> torch.device:
+    """Where `params` live (the start version's device is where its clients train)."""
+    return next(iter(params.values())).device
+
+
+def pad(
+    batches: list[list[np.ndarray]], b: int, device: torch.device | None = None
+) -> tuple[np.ndarray, Tensor, Tensor]:
     """Rows [k, steps, b] (padding points at a real example, so losses stay finite), the 0/1
-    example mask [k, steps, b] and the active-step mask [k, steps]."""
+    example mask [k, steps, b] and the active-step mask [k, steps] (masks on `device`)."""
     k, steps = len(batches), max(len(bl) for bl in batches)
     rows = np.empty((k, steps, b), dtype=np.int64)
     mask = np.zeros((k, steps, b), dtype=np.float32)
@@ -51,7 +58,7 @@ def pad(batches: list[list[np.ndarray]], b: int) -> tuple[np.ndarray, Tensor, Te
         for s, r in enumerate(bl):
             rows[i, s, : len(r)] = r
             mask[i, s, : len(r)] = 1.0
-    mask_t = torch.from_numpy(mask)
+    mask_t = torch.from_numpy(mask).to(device or "cpu")
     return rows, mask_t, (mask_t.sum(2) > 0).to(torch.float32)
 
 
@@ -95,7 +102,7 @@ def sgd_vectorised(
     """SGD of k stacked clients in place on `p`: one vmap(grad) per step over every client's
     batch (data [k, steps, b, ...]); a padding step is multiplied by 0. Returns loss sums [k]."""
     step_grad = vmap(grad(obj, has_aux=True))
-    loss_sum = torch.zeros(mask_t.shape[0])
+    loss_sum = torch.zeros(mask_t.shape[0], device=mask_t.device)
     for s in range(mask_t.shape[1]):
         g, total = step_grad(p, anchor, fixed, {n: t[:, s] for n, t in data.items()}, mask_t[:, s])
         everyone = bool(active[:, s].all())
@@ -138,9 +145,10 @@ def train_one(
     client a noticeable share of its step time; vmap needs them, a loop does not.
     """
     p = {n: t.detach().clone().requires_grad_(True) for n, t in start.items()}
-    total_loss = torch.zeros(())
+    device = device_of(start)
+    total_loss = torch.zeros((), device=device)
     for r in batches:
-        o, total = obj(p, anchor, fixed, population.gather(r), torch.ones(len(r)))
+        o, total = obj(p, anchor, fixed, population.gather(r), torch.ones(len(r), device=device))
         sgd_step_(p, o, lr)
         total_loss = total_loss + total
     with torch.no_grad():
@@ -155,8 +163,11 @@ def in_chunks(
     `train_chunk(i, j, out)` trains clients i..j-1, writes their Δ into `out` (views of the
     result) and returns their loss sums."""
     k = len(starts)
-    delta = {n: torch.empty((k, *t.shape), dtype=t.dtype) for n, t in starts[0].items()}
-    loss_sum = torch.empty(k)
+    device = device_of(starts[0])
+    delta = {
+        n: torch.empty((k, *t.shape), dtype=t.dtype, device=device) for n, t in starts[0].items()
+    }
+    loss_sum = torch.empty(k, device=device)
     for i in range(0, k, chunk):
         j = min(i + chunk, k)
         loss_sum[i:j] = train_chunk(i, j, {n: t[i:j] for n, t in delta.items()})
@@ -176,7 +187,7 @@ def train_stacked(
     """k clients' SGD over their `batches` from stacked start params `p0`: writes Δ = p0 − w
     into `out` (names of p0), returns loss sums [k]. `local` params are fixed (Federated
     Reconstruction) or trained too but never returned (joint)."""
-    rows, mask_t, active = pad(batches, cfg.batch_size)
+    rows, mask_t, active = pad(batches, cfg.batch_size, device_of(p0))
     data = population.gather(rows)
     p = {n: t.clone() for n, t in p0.items()}
     anchor, fixed = p0, local

@@ -22,6 +22,7 @@ from fedvox.fl.local.steps import (
     Objective,
     auto_chunk,
     broadcast_view,
+    device_of,
     in_chunks,
     objective,
     train_one,
@@ -68,7 +69,7 @@ def train_clients(
         delta, loss_sum = in_chunks(starts, chunk, chunk_fn)
     else:
         delta, loss_sum = _train_lowrank_versions(plan, population, batches, starts, cfg, chunk)
-    return ClientResults(delta, n_examples, loss_sum / n_examples.to(loss_sum.dtype))
+    return ClientResults(delta, n_examples, loss_sum / n_examples.to(loss_sum))
 
 
 def _train_lowrank_versions(
@@ -82,8 +83,11 @@ def _train_lowrank_versions(
     """The low-rank path: the shared matmul needs one starting version, so clients are
     grouped by version and trained in chunks of each group."""
     k = len(starts)
-    delta = {n: torch.empty((k, *t.shape), dtype=t.dtype) for n, t in starts[0].items()}
-    loss_sum = torch.empty(k)
+    device = device_of(starts[0])
+    delta = {
+        n: torch.empty((k, *t.shape), dtype=t.dtype, device=device) for n, t in starts[0].items()
+    }
+    loss_sum = torch.empty(k, device=device)
     groups: dict[int, list[int]] = {}
     for i, st in enumerate(starts):
         groups.setdefault(id(st), []).append(i)
@@ -123,7 +127,8 @@ def train_clients_recon(
     check_recon_task(task, recon)
     names = list(starts[0])
     gens = [torch_generator(population.seed, Purpose.RECON_INIT, c, t) for c, t in jobs]
-    local0 = init_locals(task, [c for c, _ in jobs], gens)
+    device = device_of(starts[0])
+    local0 = {n: t.to(device) for n, t in init_locals(task, [c for c, _ in jobs], gens).items()}
     clash = sorted(set(local0) & set(names))
     if clash:
         raise ConfigError(
@@ -155,8 +160,8 @@ def train_clients_recon(
         delta, loss_sum = in_chunks(starts, chunk, chunk_fn)
     finite = torch.ones(k, dtype=torch.bool)
     for t in delta.values():
-        finite &= torch.isfinite(t.reshape(k, -1)).all(1)
-    loss = loss_sum / n_examples.clamp_min(1).to(loss_sum.dtype)
+        finite &= torch.isfinite(t.reshape(k, -1)).all(1).cpu()
+    loss = loss_sum / n_examples.clamp_min(1).to(loss_sum)
     return ClientResults(delta, torch.where(finite, n_examples, 0), loss)
 
 
