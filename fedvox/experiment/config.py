@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # engine types, imported lazily so `fedvox config` stays ligh
     from fedvox.data.world import WorldConfig
     from fedvox.fl import Algorithm, ClientConfig, ReconConfig, ServerOptimizer, SimulatorConfig
     from fedvox.fl.attack import AttackConfig
+    from fedvox.scale import BackendConfig
 
 
 @contextmanager
@@ -597,6 +598,34 @@ class ServerLearningSection(_Strict):
     momentum: float = Field(0.0, ge=0, lt=1)
 
 
+class BackendSection(_Strict):
+    """Where the simulator's client training runs (fedvox.scale; docs/scale.md). The weights
+    are the same bits on every backend and worker count (same threads per worker)."""
+
+    kind: Literal["inline", "ray"] = Field(
+        "inline", description="inline: in this process; ray: on Ray actors (extra fedvox[ray])"
+    )
+    workers: int = Field(2, ge=1, description="Ray actors")
+    cpus_per_worker: float = Field(
+        1.0, gt=0, description="num_cpus per actor; its torch threads = this (at least 1)"
+    )
+    gpus_per_worker: float = Field(
+        0.0, ge=0, description="num_gpus per actor (fractions share a GPU); > 0 with cuda"
+    )
+    shard_size: int = Field(
+        8, ge=1, description="jobs per shard, rounded to whole vectorised chunks"
+    )
+    address: str | None = Field(
+        None, description='a running cluster ("host:6379"); None: RAY_ADDRESS, else local'
+    )
+
+    def backend_config(self) -> BackendConfig:
+        """The engine-side settings (fedvox.scale.BackendConfig)."""
+        from fedvox.scale import BackendConfig
+
+        return BackendConfig(**self.model_dump())
+
+
 class FederatedSection(_Strict):
     """Federated training on the virtual clock (fedvox.fl); absent = centralised training.
 
@@ -668,6 +697,7 @@ class FederatedSection(_Strict):
     reconstruction: ReconstructionSection = ReconstructionSection()
     fedaws: FedAwSSection = FedAwSSection()
     server_learning: ServerLearningSection | None = None
+    backend: BackendSection = BackendSection()
 
     @model_validator(mode="after")
     def _check(self) -> FederatedSection:
@@ -766,6 +796,7 @@ class FederatedSection(_Strict):
         check_compression(self)
         self.reconstruction.recon_config()
         self.partition.partition_config()
+        self.backend.backend_config()
 
 
 FEDERATED_PATHS = {

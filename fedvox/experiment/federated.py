@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,6 +97,7 @@ class FederatedSetup:
     partition: Partition
     privacy: PrivacyPipeline
     records: list[SimRecord] = field(default_factory=list)
+    backend: Any = None  # fedvox.scale's RayBackend when [federated.backend] kind = "ray"
 
 
 def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
@@ -126,7 +128,21 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         task = _global_task(cfg, data)
     if f.server_learning is not None:
         algorithm = _server_learning(cfg, data, task, algorithm)
-    client_update = _placed(cfg, client_update)
+    backend = None
+    if f.backend.kind == "ray":  # client training on Ray actors; the rest stays here
+        try:
+            from fedvox.scale.actors import RayBackend
+        except ImportError as err:
+            raise ConfigError(
+                "federated.backend.kind",
+                f"'ray' needs Ray, which does not import here ({err})",
+                "pip install 'fedvox[ray]' (ray 2.60) on every node, or use kind = \"inline\"",
+            ) from err
+        update = client_update or plain_client_update
+        backend = RayBackend(update, population, f.backend.backend_config(), cfg.train.device)
+        client_update = backend
+    else:
+        client_update = _placed(cfg, client_update)
     if f.attack.fraction > 0:  # on the devices: after honest training, before the server
         attack = f.attack.attack_config(cfg.seed)
         malicious = malicious_clients(population.num_clients, attack.fraction, cfg.seed)
@@ -137,7 +153,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     stages = robust.stages + privacy.stages  # bound each update, then DP-clip it,
     if compress is not None:  # then compress it (and keep it within those bounds)
         stages.append(compress)
-    setup = FederatedSetup(task, None, part, privacy)  # type: ignore[arg-type]
+    setup = FederatedSetup(task, None, part, privacy, backend=backend)  # type: ignore[arg-type]
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
         sim = Simulator(
             task,
@@ -321,6 +337,24 @@ def run_federated(
     assert f is not None
     set_determinism(cfg.train.threads, cfg.train.device)
     setup = build_setup(cfg, data)
+    try:
+        return _train(run, cfg, data, setup, resume, progress)
+    finally:
+        if setup.backend is not None:  # Ray actors give their CPUs back
+            setup.backend.close()
+
+
+def _train(
+    run: RunFolder,
+    cfg: ExperimentConfig,
+    data: PreparedData,
+    setup: FederatedSetup,
+    resume: bool,
+    progress: bool,
+) -> nn.Module:
+    """run_federated's loop over server steps, evaluations and checkpoints."""
+    f = cfg.federated
+    assert f is not None
     sim, task = setup.simulator, setup.task
     trips_path = run.path / TRIPS_FILE
     if resume and (found := run.load_latest_checkpoint()) is not None:

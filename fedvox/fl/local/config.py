@@ -37,6 +37,11 @@ class ClientConfig:
     vectorised: bool = True
     chunk_size: int | None = None
     lowrank: bool | None = None
+    # Set by a backend that spreads one server step over workers (fedvox.scale): train only
+    # the units (vectorised chunks, or single clients) whose FIRST job index lies in
+    # [start, stop), cut exactly as the whole step would be; ClientResults.index then names
+    # the rows. None: every job.
+    shard: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.epochs < 1:
@@ -108,9 +113,11 @@ class ReconConfig:
 @dataclass
 class ClientResults:
     """Results of k clients, stacked along the leading axis; `malicious` (a bool per row)
-    marks the rows an attack replaced (None: no attack is simulated)."""
+    marks the rows an attack replaced (None: no attack is simulated); `index` the job index
+    of each row when only a shard of the jobs was trained."""
 
     delta: Params
     num_examples: Tensor
     loss: Tensor
     malicious: Tensor | None = None
+    index: Tensor | None = None  # a shard's job indices (ClientConfig.shard); None: all jobs

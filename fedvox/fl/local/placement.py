@@ -78,6 +78,7 @@ def results_to_cpu(res: ClientResults) -> ClientResults:
         res.num_examples.cpu(),
         res.loss.cpu(),
         None if res.malicious is None else res.malicious.cpu(),
+        None if res.index is None else res.index.cpu(),
     )
 
 

@@ -156,22 +156,51 @@ def train_one(
     return delta, total_loss
 
 
-def in_chunks(
-    starts: Sequence[Params], chunk: int, train_chunk: Callable[[int, int, Params], Tensor]
-) -> tuple[Params, Tensor]:
-    """Stacked Δ [k, ...] (names of starts[0]) and loss sums [k], filled chunk by chunk:
-    `train_chunk(i, j, out)` trains clients i..j-1, writes their Δ into `out` (views of the
-    result) and returns their loss sums."""
-    k = len(starts)
-    device = device_of(starts[0])
+# a unit is the job indices one computation trains together: a vectorised chunk, or one client
+Unit = list[int]
+
+
+def chunk_units(k: int, chunk: int) -> list[Unit]:
+    """Consecutive chunks of `chunk` of k jobs (the last may be shorter)."""
+    return [list(range(i, min(i + chunk, k))) for i in range(0, k, chunk)]
+
+
+def shard_units(units: list[Unit], shard: tuple[int, int] | None) -> list[Unit]:
+    """The units a shard [start, stop) of job indices trains: those whose FIRST job lies in
+    it. Every unit has one first job, so shards that tile 0..k train each unit exactly once,
+    cut as the whole step would be: the same computations, so the same bits."""
+    if shard is None:
+        return units
+    start, stop = shard
+    return [u for u in units if start <= u[0] < stop]
+
+
+def fill_units(
+    units: list[Unit], template: Params, train_unit: Callable[[Unit, Params], Tensor]
+) -> tuple[Params, Tensor, list[int]]:
+    """Stacked Δ (names and device of `template`) and loss sums of the jobs in `units`, rows
+    in job order, and those job indices: `train_unit(unit, out)` trains a unit, writes its Δ
+    into `out` (views of the result where its rows are contiguous) and returns loss sums."""
+    index = sorted(i for u in units for i in u)
+    pos = {j: r for r, j in enumerate(index)}
+    device = device_of(template)
+    n = len(index)
     delta = {
-        n: torch.empty((k, *t.shape), dtype=t.dtype, device=device) for n, t in starts[0].items()
+        name: torch.empty((n, *t.shape), dtype=t.dtype, device=device)
+        for name, t in template.items()
     }
-    loss_sum = torch.empty(k, device=device)
-    for i in range(0, k, chunk):
-        j = min(i + chunk, k)
-        loss_sum[i:j] = train_chunk(i, j, {n: t[i:j] for n, t in delta.items()})
-    return delta, loss_sum
+    loss_sum = torch.empty(n, device=device)
+    for u in units:
+        rows = [pos[i] for i in u]
+        if rows == list(range(rows[0], rows[-1] + 1)):  # write straight into the result
+            r0, r1 = rows[0], rows[-1] + 1
+            loss_sum[r0:r1] = train_unit(u, {name: t[r0:r1] for name, t in delta.items()})
+        else:
+            out = {name: t.new_empty((len(u), *t.shape[1:])) for name, t in delta.items()}
+            loss_sum[rows] = train_unit(u, out)
+            for name, t in delta.items():
+                t[rows] = out[name]
+    return delta, loss_sum, index
 
 
 def train_stacked(

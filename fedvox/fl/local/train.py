@@ -8,23 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
-from fedvox.fl.aggregation import stack
 from fedvox.fl.local.config import ClientConfig, ClientResults, ReconConfig
-from fedvox.fl.local.lowrank import Plan, lowrank_plan, train_lowrank
+from fedvox.fl.local.lowrank import lowrank_plan, train_lowrank
 from fedvox.fl.local.reconstruct import init_locals, reconstruct_one, reconstruct_stacked
 from fedvox.fl.local.split import Split, split_client
 from fedvox.fl.local.steps import (
     Objective,
+    Unit,
     auto_chunk,
     broadcast_view,
+    chunk_units,
     device_of,
-    in_chunks,
+    fill_units,
     objective,
+    shard_units,
     train_one,
     train_stacked,
 )
@@ -53,58 +54,51 @@ def train_clients(
     plan = lowrank_plan(task, population, cfg, max(len(bl) for bl in batches) * cfg.batch_size)
     chunk = cfg.chunk_size or (plan.auto_chunk if plan else auto_chunk(starts[0], len(jobs)))
     obj = objective(task.loss, cfg)
+    train_unit: Callable[[Unit, Params], Tensor]
     if not cfg.vectorised or (plan is None and chunk == 1):
         # one client per vmap call would only add overhead (and grouped convolutions)
-        parts = [
-            train_one(obj, population, bl, st, st, {}, cfg.lr, list(st))
-            for bl, st in zip(batches, starts, strict=True)
-        ]
-        delta, loss_sum = stack([d for d, _ in parts]), torch.stack([s for _, s in parts])
+        units = chunk_units(len(jobs), 1)
+
+        def train_unit(u: Unit, out: Params) -> Tensor:
+            st = starts[u[0]]
+            delta, total = train_one(obj, population, batches[u[0]], st, st, {}, cfg.lr, list(st))
+            for n, t in out.items():
+                t[0] = delta[n]
+            return total.reshape(1)
+
     elif plan is None:
+        units = chunk_units(len(jobs), chunk)
 
-        def chunk_fn(i: int, j: int, out: Params) -> Tensor:
-            p0 = broadcast_view(starts[i:j])
-            return train_stacked(obj, population, batches[i:j], p0, {}, cfg, out)
+        def train_unit(u: Unit, out: Params) -> Tensor:
+            p0 = broadcast_view([starts[i] for i in u])
+            return train_stacked(obj, population, [batches[i] for i in u], p0, {}, cfg, out)
 
-        delta, loss_sum = in_chunks(starts, chunk, chunk_fn)
     else:
-        delta, loss_sum = _train_lowrank_versions(plan, population, batches, starts, cfg, chunk)
-    return ClientResults(delta, n_examples, loss_sum / n_examples.to(loss_sum))
+        lowrank = plan
+        units = _version_units(starts, chunk)
+
+        def train_unit(u: Unit, out: Params) -> Tensor:
+            part = [batches[i] for i in u]
+            return train_lowrank(lowrank, population, part, starts[u[0]], cfg, out)
+
+    units = shard_units(units, cfg.shard)
+    delta, loss_sum, index = fill_units(units, starts[0], train_unit)
+    kept = n_examples[index]
+    return ClientResults(delta, kept, loss_sum / kept.to(loss_sum), index=_index(cfg, index))
 
 
-def _train_lowrank_versions(
-    plan: Plan,
-    population: Population,
-    batches: list[list[np.ndarray]],
-    starts: Sequence[Params],
-    cfg: ClientConfig,
-    chunk: int,
-) -> tuple[Params, Tensor]:
-    """The low-rank path: the shared matmul needs one starting version, so clients are
-    grouped by version and trained in chunks of each group."""
-    k = len(starts)
-    device = device_of(starts[0])
-    delta = {
-        n: torch.empty((k, *t.shape), dtype=t.dtype, device=device) for n, t in starts[0].items()
-    }
-    loss_sum = torch.empty(k, device=device)
+def _version_units(starts: Sequence[Params], chunk: int) -> list[Unit]:
+    """The low-rank path's units: the shared matmul needs one starting version, so clients
+    are grouped by version (in order of first appearance) and cut in chunks of each group."""
     groups: dict[int, list[int]] = {}
     for i, st in enumerate(starts):
         groups.setdefault(id(st), []).append(i)
-    for members in groups.values():
-        for c0 in range(0, len(members), chunk):
-            idx = members[c0 : c0 + chunk]
-            contiguous = idx == list(range(idx[0], idx[-1] + 1))
-            if contiguous:  # write straight into the result (the usual case)
-                out = {n: t[idx[0] : idx[-1] + 1] for n, t in delta.items()}
-            else:
-                out = {n: t.new_empty((len(idx), *t.shape[1:])) for n, t in delta.items()}
-            part = [batches[i] for i in idx]
-            loss_sum[idx] = train_lowrank(plan, population, part, starts[idx[0]], cfg, out)
-            if not contiguous:
-                for n, t in delta.items():
-                    t[idx] = out[n]
-    return delta, loss_sum
+    return [m[c0 : c0 + chunk] for m in groups.values() for c0 in range(0, len(m), chunk)]
+
+
+def _index(cfg: ClientConfig, index: list[int]) -> Tensor | None:
+    """ClientResults.index: the job indices of a shard's rows (None: every job, in order)."""
+    return None if cfg.shard is None else torch.tensor(index, dtype=torch.long)
 
 
 def train_clients_recon(
@@ -145,11 +139,24 @@ def train_clients_recon(
     chunk = cfg.chunk_size or auto_chunk({**starts[0], **{n: t[0] for n, t in local0.items()}}, k)
     # on query; with joint local training FedProx still pulls the global names only
     obj = objective(task.loss, cfg, prox=names if recon.joint else None)
+    train_unit: Callable[[Unit, Params], Tensor]
     if not cfg.vectorised or chunk == 1:
-        delta, loss_sum = _recon_loop(task, population, splits, starts, local0, cfg, recon, obj)
-    else:
+        units = chunk_units(k, 1)
 
-        def chunk_fn(i: int, j: int, out: Params) -> Tensor:
+        def train_unit(u: Unit, out: Params) -> Tensor:
+            i = u[0]
+            delta, total = _recon_one(
+                task, population, splits[i], starts[i], local0, i, cfg, recon, obj
+            )
+            for n, t in out.items():
+                t[0] = delta[n]
+            return total.reshape(1)
+
+    else:
+        units = chunk_units(k, chunk)
+
+        def train_unit(u: Unit, out: Params) -> Tensor:
+            i, j = u[0], u[-1] + 1
             p0 = broadcast_view(starts[i:j])
             part = {n: t[i:j] for n, t in local0.items()}
             sup = [s.support for s in splits[i:j]]
@@ -157,37 +164,35 @@ def train_clients_recon(
             qry = [s.query for s in splits[i:j]]
             return train_stacked(obj, population, qry, p0, local, cfg, out, joint=recon.joint)
 
-        delta, loss_sum = in_chunks(starts, chunk, chunk_fn)
-    finite = torch.ones(k, dtype=torch.bool)
+    delta, loss_sum, index = fill_units(shard_units(units, cfg.shard), starts[0], train_unit)
+    n = len(index)
+    finite = torch.ones(n, dtype=torch.bool)
     for t in delta.values():
-        finite &= torch.isfinite(t.reshape(k, -1)).all(1).cpu()
-    loss = loss_sum / n_examples.clamp_min(1).to(loss_sum)
-    return ClientResults(delta, torch.where(finite, n_examples, 0), loss)
+        finite &= torch.isfinite(t.reshape(n, -1)).all(1).cpu()
+    kept = n_examples[index]
+    loss = loss_sum / kept.clamp_min(1).to(loss_sum)
+    return ClientResults(delta, torch.where(finite, kept, 0), loss, index=_index(cfg, index))
 
 
-def _recon_loop(
+def _recon_one(
     task: ReconTask,
     population: Population,
-    splits: list[Split],
-    starts: Sequence[Params],
+    sp: Split,
+    start: Params,
     local0: Params,
+    i: int,
     cfg: ClientConfig,
     recon: ReconConfig,
     obj: Objective,
 ) -> tuple[Params, Tensor]:
-    """The reference, one client at a time: reconstruct, then train_one on its query."""
-    deltas, sums = [], []
-    for i, (sp, start) in enumerate(zip(splits, starts, strict=True)):
-        local = {n: t[i] for n, t in local0.items()}
-        local = reconstruct_one(task, population, sp.support, start, local, cfg, recon)
-        p, anchor = dict(start), start
-        if recon.joint:
-            p.update(local)
-            anchor, local = {**start, **local}, {}
-        delta, total = train_one(obj, population, sp.query, p, anchor, local, cfg.lr, list(start))
-        deltas.append(delta)
-        sums.append(total)
-    return stack(deltas), torch.stack(sums)
+    """The reference for job i, without vmap: reconstruct, then train_one on its query."""
+    local = {n: t[i] for n, t in local0.items()}
+    local = reconstruct_one(task, population, sp.support, start, local, cfg, recon)
+    p, anchor = dict(start), start
+    if recon.joint:
+        p.update(local)
+        anchor, local = {**start, **local}, {}
+    return train_one(obj, population, sp.query, p, anchor, local, cfg.lr, list(start))
 
 
 def make_recon_update(recon: ReconConfig) -> Callable:
