@@ -51,7 +51,14 @@ def connect(config: BackendConfig) -> None:
     if address:
         ray.init(address=address, **common)
     else:
-        ray.init(object_store_memory=config.object_store_bytes, **common)
+        # "local": a new Ray even where `ray start` left a cluster behind; an embedded Ray
+        # that nobody joins talks over loopback only
+        ray.init(
+            address="local",
+            object_store_memory=config.object_store_bytes,
+            _node_ip_address="127.0.0.1",
+            **common,
+        )
 
 
 def _tensor(a: np.ndarray) -> torch.Tensor:

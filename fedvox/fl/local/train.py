@@ -167,7 +167,7 @@ def train_clients_recon(
     delta, loss_sum, index = fill_units(shard_units(units, cfg.shard), starts[0], train_unit)
     n = len(index)
     finite = torch.ones(n, dtype=torch.bool)
-    for t in delta.values():
+    for t in delta.values() if n else ():  # an empty shard has no rows to check
         finite &= torch.isfinite(t.reshape(n, -1)).all(1).cpu()
     kept = n_examples[index]
     loss = loss_sum / kept.clamp_min(1).to(loss_sum)
