@@ -1,15 +1,15 @@
 # fedvox — two commands on a fresh machine:
 #   make demo   generate the embedded corpus, train, evaluate, write a report
-#   make test   lint (ruff, import layers) and run the test suite (with the deploy extra)
+#   make test   lint (ruff, import layers) and run the test suite (with the deploy and ray extras)
 # Each installs what it needs into .venv first (torch pinned to the local CPU wheel).
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.fedvox-installed
-# the deploy extra (Flower) on top, for `make test` only: the deploy tests run in CI, while
-# `make demo` stays lean
-DEPLOY := $(VENV)/.fedvox-deploy-installed
+# the deploy (Flower) and ray extras on top, for `make test` only: their tests run in CI,
+# while `make demo` stays lean
+DEPLOY := $(VENV)/.fedvox-extras-installed
 
 .PHONY: demo test lint bench install clean numbers
 
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 $(DEPLOY): $(STAMP)
-	$(BIN)/pip install --quiet -e '.[dev,deploy]'
-	# Flower must not move torch off the pinned CPU wheel
+	$(BIN)/pip install --quiet -e '.[dev,deploy,ray]'
+	# neither Flower nor Ray may move torch off the pinned CPU wheel
 	$(BIN)/python -c "import torch; assert torch.__version__.split('+')[0] == '2.13.0', torch.__version__"
 	touch $(DEPLOY)
 
@@ -35,7 +35,7 @@ demo: $(STAMP)
 test: $(DEPLOY)
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
-	FEDVOX_REQUIRE_DEPLOY=1 $(BIN)/pytest -q
+	FEDVOX_REQUIRE_DEPLOY=1 FEDVOX_REQUIRE_RAY=1 $(BIN)/pytest -q
 
 # Regenerate the demo numbers the README quotes (docs/results/demo.json; a test checks the
 # README against that file). Run on a quiet machine: it also records the wall time.

@@ -178,6 +178,7 @@ def test_driver_sigkill_and_resume_under_ray_give_the_inline_weights(
     # killed once checkpoint 4 appears: checkpoint 2 is whole (4 may be torn)
     train_until_killed(cfgs["ray"], run, checkpoint=4, timeout_s=300)
     assert not (run / "metrics.json").exists()  # killed before the end
+    assert (run / "checkpoints" / "ckpt-000000002.pt").exists()  # resumed from step 2 or 4
     res = runner.invoke(app, ["resume", str(run), "-q"])  # this process's Ray
     assert res.exit_code == 0, res.output
     a = json.loads((tmp_path / "ref" / "metrics.json").read_text())
