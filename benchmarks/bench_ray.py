@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "timed_steps": args.steps,
         "shard_size": args.shard_size,
         "s_per_step": {n: round(r["s_per_step"], 3) for n, r in got.items()},
+        "steps_s": {n: [round(t, 3) for t in r["steps_s"]] for n, r in got.items()},
         "speedup": round(inline / many, 3),
         "ray_overhead_s_per_step": round(one - inline, 3),
         "rss_mb_process_tree": {n: round(r["rss_mb"], 1) for n, r in got.items()},

@@ -137,6 +137,16 @@ def test_the_task_is_sent_again_when_its_settings_change(ray_cluster: str) -> No
         backend.close()
 
 
+def test_more_workers_than_the_cluster_can_place_are_refused(ray_cluster: str) -> None:
+    from fedvox.errors import ConfigError
+
+    config = BackendConfig(kind="ray", workers=3, cpus_per_worker=1.0)  # the session has 2 CPUs
+    with pytest.raises(ConfigError, match=r"federated\.backend\.workers.*need 3 CPUs"):
+        RayBackend(plain_client_update, toy_population(), config)
+    with pytest.raises(ConfigError, match=r"gpus_per_worker"):  # cuda asked, no GPU given
+        RayBackend(plain_client_update, toy_population(), BackendConfig(kind="ray"), "cuda")
+
+
 CFG = (
     '\nname = "fed-ray"\nseed = 0\n'
     + TINY_DATA

@@ -149,7 +149,8 @@ class Population:
     def gather(self, rows: np.ndarray | Tensor) -> dict[str, Tensor]:
         """The store's fields at `rows` (any shape of row indices)."""
         ix = torch.as_tensor(rows, dtype=torch.long)
-        return {name: t[ix] for name, t in self.store.items()}
+        # a store moved to a GPU (fl.local.placement) is indexed there
+        return {name: t[ix.to(t.device)] for name, t in self.store.items()}
 
     def client_batches(
         self,

@@ -151,6 +151,23 @@ class Worker:
         return _results_payload(res)
 
 
+def _check_resources(config: BackendConfig) -> None:
+    """Refuse workers the cluster can never place (they would wait forever)."""
+    have = ray.cluster_resources()
+    for key, per, name in (
+        ("CPU", config.cpus_per_worker, "cpus_per_worker"),
+        ("GPU", config.gpus_per_worker, "gpus_per_worker"),
+    ):
+        need = per * config.workers
+        if need > have.get(key, 0.0) + 1e-9:
+            raise ConfigError(
+                "federated.backend.workers",
+                f"{config.workers} workers x {per} {name} need {need:g} {key}s; the Ray cluster "
+                f"has {have.get(key, 0.0):g}",
+                f"use fewer workers or a smaller {name}, or add nodes",
+            )
+
+
 _REMOTE: dict[str, Any] = {}
 
 
@@ -186,6 +203,7 @@ class RayBackend:
                 'set gpus_per_worker > 0 (e.g. 0.5: two workers per GPU), or train.device = "cpu"',
             )
         connect(config)
+        _check_resources(config)
         self.config = config
         self.device = device
         self.population = population

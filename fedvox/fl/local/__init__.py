@@ -18,7 +18,9 @@ clients vectorised (vmap over stacked parameters) or one at a time with identica
 ClientResults holds Δ = w_start − w_local [k, ...] over the global names, the weights
 (num_examples [k]) and mean losses [k]. Modules: config (settings), task (protocols),
 steps (padding, broadcast view, vectorised step, loop step), lowrank (the exact low-rank
-path a task may declare), split, reconstruct, train, evaluate. Imports only fedvox.fl's
+path a task may declare), split, reconstruct, train, evaluate, placement (a client update
+on a device: copies of the task, store and versions there). ClientConfig.shard trains one
+shard of a step's units, as fedvox.scale hands them to workers. Imports only fedvox.fl's
 population and aggregation, fedvox.rng, fedvox.types and fedvox.errors.
 """
 
