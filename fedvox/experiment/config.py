@@ -613,7 +613,10 @@ class BackendSection(_Strict):
         0.0, ge=0, description="num_gpus per actor (fractions share a GPU); > 0 with cuda"
     )
     shard_size: int = Field(
-        8, ge=1, description="jobs per shard, rounded to whole vectorised chunks"
+        8,
+        ge=1,
+        description="jobs of a server step per shard; a vectorised chunk goes whole to the "
+        "shard holding its first job",
     )
     address: str | None = Field(
         None, description='a running cluster ("host:6379"); None: RAY_ADDRESS, else local'
