@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -17,11 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-# One fresh token for this session's Ray, its subprocess drivers and the two-node cluster;
-# set before Ray is imported, which reads it then (Ray 2.60 authenticates local clusters).
-os.environ.setdefault("RAY_AUTH_MODE", "token")
-os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
-
+# conftest.py sets RAY_AUTH_MODE/RAY_AUTH_TOKEN before Ray is imported: the session's Ray,
+# its subprocess drivers and the two-node cluster share that token.
 if os.environ.get("FEDVOX_REQUIRE_RAY"):  # `make test` installs the ray extra: no skip
     import ray
 else:  # a checkout without the `ray` extra
