@@ -257,6 +257,10 @@ def test_a_federated_job_runs_across_a_two_node_cluster_on_loopback(
     finally:
         for proc in reversed(procs):
             _stop(proc)
+        # `ray start --head` records its address for later `ray.init()`s: not a dead one
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip() == f"{ip}:{port}":
+            current.unlink()
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(set(got["nodes"])) == 2  # one actor on each node (1 CPU each)
