@@ -44,6 +44,35 @@ class _Trip:
     trip: int
     version: int
     start: Params
+    node: int = -1
+    sent: float = 0.0  # seconds since the run began
+    arrival: int | None = None  # the n-th update to arrive (1-based), once it has
+    arrived: float | None = None
+
+
+# what became of a trip (the simulator's TripRecord statuses)
+AGGREGATED, STALE, DROPPED_OUT, CANCELLED = "aggregated", "stale", "dropped_out", "cancelled"
+
+
+@dataclass
+class TripLog:
+    """One trip's end, in the order trips ended: who, which version it started from, what
+    became of it, and when (seconds since the run began). `arrival` numbers the replies
+    that came back with an update, in arrival order (None for a trip that never did)."""
+
+    client: int
+    trip: int
+    node: int
+    version: int
+    status: str
+    sent: float
+    ended: float
+    arrival: int | None = None
+    server_step: int | None = None
+    staleness: int | None = None
+    loss: float | None = None
+    num_examples: int | None = None
+    reason: str = ""
 
 
 @dataclass
@@ -56,6 +85,9 @@ class StepLog:
     staleness: list[int]
     updates: int
     loss: float
+    seconds: float = 0.0  # since the run began
+    in_flight: int = 0  # trips under way when the step's last update arrived
+    agg: dict[str, float] = field(default_factory=dict)  # the aggregator's metrics
 
 
 @dataclass
@@ -70,15 +102,20 @@ class DeployServer:
     step: int = 0
     history: list[StepLog] = field(default_factory=list)
     on_step: Callable[[StepLog], None] | None = None
+    on_trip: Callable[[TripLog], None] | None = None
 
     def __post_init__(self) -> None:
         self.params = {n: t.detach().clone() for n, t in self.params.items()}
+        self.trip_log: list[TripLog] = []  # every trip's end, in order: the arrival order
+        self.arrivals = 0
+        self.t0 = time.monotonic()
         self.selections = 0
         self.trips: dict[int, int] = {}  # trips started per client: keys the client's batches
         self.nodes: dict[int, int] = {}  # federation-wide client id -> node id
 
     def run(self, grid: Grid, steps: int) -> Params:
         """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
+        self.t0 = time.monotonic()
         self.discover(grid)
         self.algorithm.validate(self.config.concurrency)
         if self.config.concurrency > len(self.nodes):
@@ -117,10 +154,18 @@ class DeployServer:
             }
             arrived: list[tuple[_Trip, Envelope]] = []
             for reply in self._collect(grid, list(sent), c, count_errors=True):
-                if reply.kind != ERROR:  # a failed trip is a dropout: it resolves, uploads nothing
-                    arrived.append((sent[reply.reply_to], reply))
+                trip = self._arrive(sent.pop(reply.reply_to), reply)
+                if reply.kind == ERROR:  # a failed trip is a dropout: it resolves, uploads nothing
+                    self._log(trip, DROPPED_OUT, reply)
+                else:
+                    arrived.append((trip, reply))
+            for trip, reply in arrived[c:]:  # after the C-th: the simulator's cancelled trips
+                self._log(trip, CANCELLED, reply)
+            for trip in sent.values():  # unanswered: cancelled once C arrived, else past deadline
+                status = CANCELLED if len(arrived) >= c else DROPPED_OUT
+                self._log(trip, status, None, "no reply before the deadline")
             if arrived:
-                self._server_step(arrived[:c])
+                self._server_step(arrived[:c], len(cohort))
                 empty = 0
             else:
                 empty += 1
@@ -146,18 +191,24 @@ class DeployServer:
                 continue
             waited = time.monotonic()
             for reply in replies:
-                trip = in_flight.pop(reply.reply_to)
-                if reply.kind != ERROR:
+                trip = self._arrive(in_flight.pop(reply.reply_to), reply)
+                if reply.kind == ERROR:
+                    self._log(trip, DROPPED_OUT, reply)
+                else:
                     tau = self.step - trip.version
                     max_tau = self.algorithm.max_staleness
                     if max_tau is None or tau <= max_tau:
                         pending.append((trip, reply))
+                    else:
+                        self._log(trip, STALE, reply)
                 if len(pending) >= k:
-                    self._server_step(pending)
+                    self._server_step(pending, len(in_flight) + 1)
                     pending = []
                 self._fill(grid, in_flight)
                 if self.step >= steps:
                     break
+        for trip in in_flight.values():  # still training when the run ended
+            self._log(trip, CANCELLED, None, "the run ended")
 
     def _fill(self, grid: Grid, in_flight: dict[str, _Trip]) -> None:
         """Invite idle clients, one draw each, until C trips are in flight."""
@@ -176,7 +227,49 @@ class DeployServer:
         """Open the next trip of `client` from the current version (bookkeeping only)."""
         trip = self.trips.get(client, 0)
         self.trips[client] = trip + 1
-        return _Trip(client, trip, self.step, self.params)
+        return _Trip(client, trip, self.step, self.params, self.nodes[client], self._now())
+
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _arrive(self, trip: _Trip, reply: Envelope) -> _Trip:
+        """Stamp a trip whose reply was just pulled; an update gets the next arrival number."""
+        trip.arrived = self._now()
+        if reply.kind != ERROR:
+            self.arrivals += 1
+            trip.arrival = self.arrivals
+        return trip
+
+    def _log(
+        self,
+        trip: _Trip,
+        status: str,
+        reply: Envelope | None,
+        reason: str = "",
+        server_step: int | None = None,
+    ) -> None:
+        """Record how `trip` ended (staleness against the current server step)."""
+        if reply is not None and reply.kind == ERROR:
+            reason = str(reply.values.get("reason", reason))
+        values = reply.values if reply is not None and reply.kind != ERROR else {}
+        log_ = TripLog(
+            trip.client,
+            trip.trip,
+            trip.node,
+            trip.version,
+            status,
+            trip.sent,
+            self._now() if trip.arrived is None else trip.arrived,
+            trip.arrival,
+            server_step,
+            None if status in (DROPPED_OUT, CANCELLED) else self.step - trip.version,
+            float(values["loss"]) if "loss" in values else None,
+            int(values["num_examples"]) if "num_examples" in values else None,
+            reason,
+        )
+        self.trip_log.append(log_)
+        if self.on_trip is not None:
+            self.on_trip(log_)
 
     def _push(self, grid: Grid, clients: list[int]) -> list[str]:
         """Send the current global params to each client's node; the trip number the request
@@ -225,7 +318,7 @@ class DeployServer:
                 time.sleep(self.config.poll_interval)
         return got
 
-    def _server_step(self, arrived: list[tuple[_Trip, Envelope]]) -> None:
+    def _server_step(self, arrived: list[tuple[_Trip, Envelope]], in_flight: int = 0) -> None:
         """Stack the updates in arrival order, weight, aggregate, apply (Simulator._flush)."""
         jobs = [(t.client, t.trip) for t, _ in arrived]
         for (_, r), job in zip(arrived, jobs, strict=True):
@@ -247,10 +340,13 @@ class DeployServer:
             starts = [t.start for t, _ in arrived]
             new = self.algorithm.apply(self.params, total, weight, count, starts, staleness)
             self.params = {n: t.detach() for n, t in new.items()}
+        for t, r in arrived:
+            self._log(t, AGGREGATED, r, server_step=self.step + 1)
         self.step += 1
         mean_loss = float(loss[kept].mean()) if bool(kept.any()) else math.nan
         taus = [int(t) for t in staleness.tolist()]
-        record = StepLog(self.step, jobs, taus, count, mean_loss)
+        agg = self.aggregator.metrics()
+        record = StepLog(self.step, jobs, taus, count, mean_loss, self._now(), in_flight, agg)
         self.history.append(record)
         if self.on_step is not None:
             self.on_step(record)
