@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServerConfig:
     """The cohort and patience: C trips at once (sync: a round of ceil(C·(1+o)) invited),
-    the selection seed, how often to poll the grid and how long to wait for a reply."""
+    the selection seed, how often to poll the grid, how long to wait for a reply (a
+    synchronous round's deadline), and how many nodes to wait for (up to `wait_nodes_s`)."""
 
     concurrency: int = 10
     over_selection: float = 0.0
@@ -36,6 +37,8 @@ class ServerConfig:
     poll_interval: float = 0.05
     reply_timeout: float | None = None
     max_empty_rounds: int = 10
+    min_nodes: int = 0
+    wait_nodes_s: float = 120.0
 
 
 @dataclass
@@ -116,6 +119,7 @@ class DeployServer:
     def run(self, grid: Grid, steps: int) -> Params:
         """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
         self.t0 = time.monotonic()
+        self.wait_for_nodes(grid)
         self.discover(grid)
         self.algorithm.validate(self.config.concurrency)
         if self.config.concurrency > len(self.nodes):
@@ -128,6 +132,17 @@ class DeployServer:
         else:
             self._run_async(grid, steps)
         return self.params
+
+    def wait_for_nodes(self, grid: Grid) -> None:
+        """Poll until `min_nodes` nodes are connected, or give up after `wait_nodes_s`."""
+        want, since = self.config.min_nodes, time.monotonic()
+        while len(grid.nodes()) < want:
+            if time.monotonic() - since > self.config.wait_nodes_s:
+                raise DeployError(
+                    f"{len(grid.nodes())} of {want} nodes connected after "
+                    f"{self.config.wait_nodes_s:.0f} s"
+                )
+            time.sleep(max(self.config.poll_interval, 0.2))
 
     def discover(self, grid: Grid) -> None:
         """Ask every node which client it holds; clients are numbered 0..n-1 as in the
