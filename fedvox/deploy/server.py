@@ -219,9 +219,9 @@ class DeployServer:
                 if len(pending) >= k:
                     self._server_step(pending, len(in_flight) + 1)
                     pending = []
-                self._fill(grid, in_flight)
-                if self.step >= steps:
+                if self.step >= steps:  # done: start no trip that nothing would wait for
                     break
+                self._fill(grid, in_flight)
         for trip in in_flight.values():  # still training when the run ended
             self._log(trip, CANCELLED, None, "the run ended")
 
