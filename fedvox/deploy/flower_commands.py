@@ -116,7 +116,7 @@ def write_connection(flwr_home: Path, link: Link) -> Path:
     if link.keys is None:
         conn["insecure"] = True
     else:
-        conn["root-certificates"] = str(link.keys.ca_cert)
+        conn["root-certificates"] = str(link.keys.ca_cert.resolve())  # flwr: absolute only
     doc = {"superlink": {"default": CONNECTION, CONNECTION: conn}}
     return atomic_write_text(Path(flwr_home) / "config.toml", tomli_w.dumps(doc))
 

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 
 from fedvox.deploy.grid import ERROR, QUERY, TRAIN, DeployError, Envelope, Grid
+from fedvox.deploy.secagg import SecureRounds
 from fedvox.errors import ConfigError, StepSkipped
 from fedvox.fl.aggregation import Aggregator, stack
 from fedvox.fl.algorithms.base import Algorithm
 from fedvox.fl.selection import draw_cohort, draw_one
+from fedvox.privacy.secagg import SecAggConfig
 from fedvox.types import Params
 
 log = logging.getLogger(__name__)
@@ -106,8 +108,11 @@ class DeployServer:
     history: list[StepLog] = field(default_factory=list)
     on_step: Callable[[StepLog], None] | None = None
     on_trip: Callable[[TripLog], None] | None = None
+    secure: SecAggConfig | None = None  # sum updates by secure aggregation over messages
 
     def __post_init__(self) -> None:
+        self.rounds = None if self.secure is None else SecureRounds(self.secure, self._collect)
+        self._grid: Grid | None = None
         self.params = {n: t.detach().clone() for n, t in self.params.items()}
         self.trip_log: list[TripLog] = []  # every trip's end, in order: the arrival order
         self.arrivals = 0
@@ -119,6 +124,13 @@ class DeployServer:
     def run(self, grid: Grid, steps: int) -> Params:
         """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
         self.t0 = time.monotonic()
+        self._grid = grid
+        if self.secure is not None and not self.algorithm.barrier:
+            raise ConfigError(
+                "secure_aggregation",
+                "secure aggregation over messages needs synchronous rounds",
+                "use a FedAvg-family algorithm with it",
+            )
         self.wait_for_nodes(grid)
         self.discover(grid)
         self.algorithm.validate(self.config.concurrency)
@@ -294,7 +306,12 @@ class DeployServer:
                 self.nodes[c],
                 TRAIN,
                 self.params,
-                {"client": c, "trip": self.trips.get(c, 0), "version": self.step},
+                {
+                    "client": c,
+                    "trip": self.trips.get(c, 0),
+                    "version": self.step,
+                    **({"secure": True} if self.secure is not None else {}),
+                },
                 group=str(self.step + 1),
             )
             for c in clients
@@ -339,14 +356,25 @@ class DeployServer:
         for (_, r), job in zip(arrived, jobs, strict=True):
             if (int(r.values["client"]), int(r.values["trip"])) != job:
                 raise DeployError(f"reply for {(r.values['client'], r.values['trip'])}, sent {job}")
-        delta = stack([r.arrays for _, r in arrived])
         n_ex = torch.tensor([int(r.values["num_examples"]) for _, r in arrived])
         loss = torch.tensor([float(r.values["loss"]) for _, r in arrived])
         staleness = torch.tensor([self.step - t.version for t, _ in arrived], dtype=torch.float64)
         weights = self.algorithm.client_weights(n_ex, staleness)
         try:
-            kept = self.aggregator.accumulate(delta, weights, jobs)
-            total, weight, count = self.aggregator.result()
+            if self.rounds is not None:  # the nodes hold their updates; only a sum comes back
+                assert self._grid is not None
+                shapes = {n: tuple(t.shape) for n, t in self.params.items()}
+                nodes = [t.node for t, _ in arrived]
+                group = str(self.step + 1)
+                total, weight, count = self.rounds.secure_sum(
+                    self._grid, group, nodes, weights, shapes
+                )
+                kept = torch.ones(len(arrived), dtype=torch.bool)
+            else:
+                kept = self.aggregator.accumulate(
+                    stack([r.arrays for _, r in arrived]), weights, jobs
+                )
+                total, weight, count = self.aggregator.result()
         except StepSkipped as err:
             self.aggregator.skip_step(err.metrics)
             log.warning("server step %d skipped, model unchanged: %s", self.step + 1, err.reason)

@@ -332,11 +332,11 @@ class LocalFederation:
     (a context manager: leaving it stops them all, also on Ctrl-C)."""
 
     def __init__(self, root: Path, keys: KeyLayout | None) -> None:
-        self.root = Path(root)
-        self.keys = keys
+        self.root = Path(root).resolve()  # Flower wants absolute paths in its files
+        self.keys = None if keys is None else KeyLayout(keys.root.resolve())
         self.home = self.root / "flwr-home"
         self.procs = Processes(self.root / "logs")
-        self.link = fc.Link("127.0.0.1", free_port(), keys)
+        self.link = fc.Link("127.0.0.1", free_port(), self.keys)
         self.env = fc.runtime_env(self.home)
         self.node_argv: dict[int, list[str]] = {}
         self.node_ids: dict[int, int] = {}  # node i → the id the SuperLink registered
@@ -409,7 +409,7 @@ class LocalFederation:
 
     def submit(self, app: Path) -> int:
         """`flwr run` the app folder; the run's id."""
-        out = fc.json_output(self.flwr(fc.run_argv(app)), "flwr run")
+        out = fc.json_output(self.flwr(fc.run_argv(app.resolve())), "flwr run")
         return int(out["run-id"])
 
     def traffic(self, run_id: int) -> dict[str, Any]:
