@@ -150,7 +150,7 @@ def test_flower_command_lines_turn_tls_and_node_authentication_on(tmp_path: Path
 
 
 def _cfg(**federated: object):
-    base = {"federated": {"algorithm": "fedavg", **federated}}
+    base = {"federated": {"algorithm": "fedavg", "weighting": "uniform", **federated}}
     return config_from_dict(base, source="test")
 
 
@@ -158,7 +158,14 @@ def _cfg(**federated: object):
     ("federated", "field"),
     [
         ({"speakers": "local"}, "federated.speakers"),
-        ({"privacy": {"secure_aggregation": True}}, "federated.privacy.secure_aggregation"),
+        (
+            {"algorithm": "fedbuff", "privacy": {"secure_aggregation": True}},
+            "federated.privacy.secure_aggregation",
+        ),
+        (
+            {"privacy": {"secure_aggregation": True, "secagg_consistency_check": True}},
+            "federated.privacy.secagg_consistency_check",
+        ),
         ({"privacy": {"mechanism": "dp_ftrl"}}, "federated.privacy.mechanism"),
         ({"attack": {"fraction": 0.1}}, "federated.attack.fraction"),
         ({"compression": {"kind": "float16"}}, "federated.compression.kind"),
@@ -168,6 +175,7 @@ def test_what_a_deployed_run_cannot_do_yet_is_refused_by_field(federated, field)
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         check_deployable(_cfg(**federated))
     check_deployable(_cfg())
+    check_deployable(_cfg(privacy={"secure_aggregation": True}))  # synchronous, no DP: fine
 
 
 def test_the_margin_schedule_steps_at_evaluation_and_checkpoint_boundaries() -> None:

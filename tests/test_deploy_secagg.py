@@ -38,6 +38,7 @@ class DroppingGrid(FakeGrid):
         super().__init__(app, clients)
         self.drops = drops
         self.seen: list[Message] = []
+        self.fresh = None  # a ClientApp factory: a new app (no memory) for every message
 
     def push_messages(self, messages):
         ids = []
@@ -54,6 +55,8 @@ class DroppingGrid(FakeGrid):
                 )
                 ids.append(mid)
             else:
+                if self.fresh is not None:  # as Flower's runtime: a new process per message
+                    self.app = self.fresh()
                 ids.extend(super().push_messages([msg]))
         return ids
 
@@ -63,7 +66,9 @@ class DroppingGrid(FakeGrid):
         return got
 
 
-def _run(steps: int, drops: set, secure: SecAggConfig | None) -> tuple[DeployServer, DroppingGrid]:
+def _run(
+    steps: int, drops: set, secure: SecAggConfig | None, fresh: bool = False
+) -> tuple[DeployServer, DroppingGrid]:
     task, population = mlp_task(), class_population(SIZES, seed=1)
     server = DeployServer(
         task.init_params(),
@@ -79,6 +84,8 @@ def _run(steps: int, drops: set, secure: SecAggConfig | None) -> tuple[DeploySer
         return ClientNode(task, population, c, CLIENT, secure=holder)
 
     grid = DroppingGrid(client_app(load), len(SIZES), drops)
+    if fresh:  # the node's secrets and held update must survive in Context.state
+        grid.fresh = lambda: client_app(load)
     app = server_app(lambda g, run_config: server.run(g, steps))
     app(grid, Context(7, 1, {}, RecordDict(), {}))
     return server, grid
@@ -89,11 +96,12 @@ def _first_cohort() -> list[tuple[int, int]]:
     return server.history[0].jobs
 
 
-def test_secure_sum_over_messages_equals_the_plaintext_sum_with_dropouts() -> None:
+@pytest.mark.parametrize("fresh", [False, True], ids=["one-process", "process-per-message"])
+def test_secure_sum_over_messages_equals_the_plaintext_sum_with_dropouts(fresh: bool) -> None:
     cohort = [c for c, _ in _first_cohort()]
     gone, late = 100 + cohort[1], 100 + cohort[4]  # node id = 100 + client
     # one node never sends its masked input, one never answers the key advertisement
-    secure, grid = _run(1, {(gone, MASKED, "1"), (late, ADVERTISE, "1")}, SECAGG)
+    secure, grid = _run(1, {(gone, MASKED, "1"), (late, ADVERTISE, "1")}, SECAGG, fresh)
     # the same survivors in plaintext: those two trips dropped out at training instead
     plain, _ = _run(1, {(gone, "train", "1"), (late, "train", "1")}, None)
     assert secure.history[0].updates == 4 == plain.history[0].updates

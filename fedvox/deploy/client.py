@@ -59,6 +59,16 @@ class ClientNode:
             return self._reply(request, {}, values)
         return self._reply(request, delta, values)
 
+    def state(self) -> tuple[dict[str, Value], Params]:
+        """What must survive until the next message (secure aggregation's secrets and held
+        updates); empty without secure aggregation."""
+        return ({}, {}) if self.secure is None else self.secure.state()
+
+    def restore(self, values: dict[str, Value], arrays: Params) -> None:
+        """Take back what `state` returned after the previous message."""
+        if self.secure is not None:
+            self.secure.restore(values, arrays)
+
     def _reply(
         self,
         request: Envelope,

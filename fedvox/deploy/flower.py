@@ -20,6 +20,8 @@ from fedvox.deploy.grid import ERROR, Envelope
 
 ARRAYS = "arrays"  # the RecordDict keys fedvox uses
 VALUES = "values"
+STATE_VALUES = "fedvox-state"  # Context.state keys: what a node keeps between messages
+STATE_ARRAYS = "fedvox-state-arrays"
 
 
 def to_content(envelope: Envelope) -> RecordDict:
@@ -101,7 +103,17 @@ def client_app(load: Callable[[dict[str, Any], dict[str, Any]], ClientNode]) -> 
         if node is None:
             node = load(dict(context.node_config), dict(context.run_config))
             nodes[(context.node_id, context.run_id)] = node
+        # a node's secrets between messages live in Flower's Context.state (the runtime
+        # starts a fresh ClientApp process per message and keeps the context for the run)
+        state = context.state
+        if STATE_VALUES in state.config_records:
+            saved = state.array_records.get(STATE_ARRAYS)
+            arrays = {} if saved is None else saved.to_torch_state_dict()
+            node.restore(dict(state.config_records[STATE_VALUES]), dict(arrays))
         reply = node.handle(from_message(message))
+        values, arrays = node.state()
+        state[STATE_VALUES] = ConfigRecord(dict(values))
+        state[STATE_ARRAYS] = ArrayRecord.from_torch_state_dict(arrays) if arrays else ArrayRecord()
         return Message(to_content(reply), reply_to=message)
 
     app.train()(handle)

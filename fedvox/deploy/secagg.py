@@ -121,6 +121,43 @@ class SecAggNode:
             return self._reply(request, out)
         raise DeployError(f"unknown secure aggregation round {stage!r}")
 
+    def state(self) -> tuple[dict[str, Value], Params]:
+        """What the node must keep between messages (a runtime may start a fresh process for
+        each): the protocol clients as flat values, the held updates as tensors. Secret."""
+        values: dict[str, Value] = {}
+        for group, (client, weight) in self.clients.items():
+            p = client.params
+            values[f"{group}|n"], values[f"{group}|t"], values[f"{group}|dim"] = (
+                p.n,
+                p.threshold,
+                p.dim,
+            )
+            values[f"{group}|neighbours"] = ";".join(_ids(g) for g in p.neighbours)
+            values[f"{group}|session"], values[f"{group}|weight"] = p.session, weight
+            values.update({f"{group}|c|{k}": v for k, v in client.state_dict().items()})
+        arrays = {f"held.{g}": torch.from_numpy(x) for g, x in self.held.items()}
+        return values, arrays
+
+    def restore(self, values: dict[str, Value], arrays: Params) -> None:
+        """Take back what `state` saved (replacing what this object holds)."""
+        self.held = {n.split(".", 1)[1]: t.numpy().copy() for n, t in arrays.items()}
+        self.clients = {}
+        for group in {k.split("|", 1)[0] for k in values if "|" in k}:
+            params = ProtocolParams(
+                n=int(values[f"{group}|n"]),
+                threshold=int(values[f"{group}|t"]),
+                dim=int(values[f"{group}|dim"]),
+                modulus_bits=self.config.modulus_bits,
+                neighbours=tuple(
+                    _parse_ids(g) for g in str(values[f"{group}|neighbours"]).split(";")
+                ),
+                session=bytes(values[f"{group}|session"]),  # type: ignore[arg-type]
+            )
+            prefix = f"{group}|c|"
+            state = {k[len(prefix) :]: v for k, v in values.items() if k.startswith(prefix)}
+            client = SecAggClient.from_state(params, state, self.entropy)  # type: ignore[arg-type]
+            self.clients[group] = (client, float(values[f"{group}|weight"]))
+
     def _client(self, group: str) -> tuple[SecAggClient, float]:
         if group not in self.clients:
             raise DeployError(f"secure aggregation round for step {group} before its keys")

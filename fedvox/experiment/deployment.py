@@ -26,12 +26,14 @@ from fedvox.deploy import ClientNode, DeployError, DeployServer, Envelope, Grid,
 from fedvox.deploy import flower_commands as fc
 from fedvox.deploy.keys import KeyLayout, write_keys
 from fedvox.deploy.processes import Processes, free_port, wait_for_port
+from fedvox.deploy.secagg import SecAggNode
 from fedvox.deploy.server import StepLog, TripLog
 from fedvox.deploy.shard import load_shard, node_shard, save_shard, shard_population
 from fedvox.errors import ConfigError, FedvoxError
 from fedvox.experiment.config import ExperimentConfig, config_from_dict
 from fedvox.experiment.runfolder import RunFolder, truncate_lines
 from fedvox.models.heads import margin_schedule
+from fedvox.privacy.secagg import SecAggConfig
 from fedvox.records import EvalRecord, ServerStepRecord, TripRecord, append_run_log
 
 STATUS_FILE = "deploy-status.json"  # written by the server process when the run ends
@@ -54,8 +56,14 @@ def check_deployable(cfg: ExperimentConfig) -> None:
             'Federated Reconstruction\'s public negatives are not shipped to nodes yet; use "global_head"',
         ),
         "federated.privacy.secure_aggregation": (
-            f.privacy.secure_aggregation,
-            "secure aggregation's rounds are not messages yet; set it to false",
+            f.privacy.secure_aggregation
+            and (f.algorithm != "fedavg" or f.privacy.mechanism != "none"),
+            "secure aggregation over messages runs with synchronous FedAvg and without DP "
+            '(clipping on the device is not done yet); use algorithm = "fedavg", mechanism = "none"',
+        ),
+        "federated.privacy.secagg_consistency_check": (
+            f.privacy.secure_aggregation and f.privacy.secagg_consistency_check,
+            "the signed protocol is not wired over messages yet; set it to false",
         ),
         "federated.privacy.mechanism": (
             f.privacy.mechanism == "dp_ftrl",
@@ -141,7 +149,21 @@ def load_node(node_config: dict[str, Any], run_config: dict[str, Any]) -> Speake
     f = cfg.federated
     assert f is not None
     population = shard_population(shard)
-    return SpeakerNode(task, population, int(shard["client"]), f.client_config(), cfg=cfg)
+    secure = _secagg_config(cfg, population.num_clients)
+    node = SpeakerNode(task, population, int(shard["client"]), f.client_config(), cfg=cfg)
+    node.secure = None if secure is None else SecAggNode(secure)  # secrets from the OS
+    return node
+
+
+def _secagg_config(cfg: ExperimentConfig, n_clients: int) -> SecAggConfig | None:
+    """The run's secure-aggregation parameters (server and nodes derive the same), if any."""
+    from fedvox.experiment.privacy import build_privacy
+
+    f = cfg.federated
+    if f is None or not f.privacy.secure_aggregation:
+        return None
+    summer = build_privacy(f, n_clients, cfg.seed).summer
+    return getattr(summer, "config", None)
 
 
 def write_shards(run: RunFolder, cfg: ExperimentConfig, nodes: int | None) -> list[Path]:
@@ -239,6 +261,7 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
             min_nodes=int(run_config.get("nodes", 0)),
             wait_nodes_s=float(run_config.get("wait-nodes-s", 120)),
         ),
+        secure=_secagg_config(cfg, sim.population.num_clients),
     )
     for path in (run.metrics_path, run.path / TRIPS_FILE, run.path / ARRIVALS_FILE):
         truncate_lines(path, 0)
@@ -456,7 +479,7 @@ def prepare_deployed_run(
             keys.check(len(shards))
         elif loopback_keys:
             where = run.path / DEPLOY_DIR / "keys"
-            keys = write_keys(where, ["localhost", "127.0.0.1"], len(shards))
+            keys = write_keys(where, ["localhost", "127.0.0.1"], len(shards), overwrite)
     return run, shards, keys
 
 
