@@ -142,3 +142,31 @@ def test_a_federation_on_loopback_with_tls_node_auth_dropout_and_rejoin(tmp_path
     assert len(seen) > NODES + 1  # the SuperLink, the nodes and their helpers were seen
     assert all(_started(pid) != started for pid, started in seen.items())
     assert time.monotonic() - t0 < 1500
+
+
+def test_secure_aggregation_through_supernodes_with_tls(tmp_path: Path) -> None:
+    # one FedAvg round whose sum is formed by fedvox's SecAgg over Flower messages: every
+    # ClientApp call is a fresh process, so each node's keys, shares and held update live in
+    # Flower's Context.state between the protocol's rounds
+    keys = write_keys(tmp_path / "keys", ["localhost", "127.0.0.1"], NODES)
+    path = tmp_path / "secagg.toml"
+    text = CFG.format(algorithm="fedavg", steps=1, cache=tmp_path / "cache")
+    text = text.replace("buffer_size = 1", 'weighting = "uniform"')
+    path.write_text(text + "[federated.privacy]\nsecure_aggregation = true\n")
+    settings = LocalSettings(nodes=NODES, keys=keys.root, reply_timeout=300, wait_nodes_s=120)
+    run, shards, _ = prepare_deployed_run(load_config(path), tmp_path / "run", settings)
+    with LocalFederation(tmp_path / "fed", keys) as fed:
+        fed.start_link()
+        for i in range(NODES):
+            fed.register(i)
+            fed.start_node(i, node_config(shards[i]))
+        fed.submit(app_folder(run))
+        status = fed.wait(run, 900)
+    assert status["status"] == "completed", status
+    (step,) = read_run_log(run.metrics_path, (ServerStepRecord,))
+    assert step.updates == NODES and step.agg.get("secagg_aborted", 0.0) == 0.0
+    # each node answered the four protocol rounds after training
+    for i in range(NODES):
+        log = (tmp_path / "fed" / "logs" / f"node-{i}.log").read_text(errors="replace")
+        assert log.count("Receiving: query message") == 1 + 4  # discovery + 4 rounds
+    assert (run.path / "model.pt").is_file()

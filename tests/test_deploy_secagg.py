@@ -105,6 +105,7 @@ def test_secure_sum_over_messages_equals_the_plaintext_sum_with_dropouts(fresh: 
     # the same survivors in plaintext: those two trips dropped out at training instead
     plain, _ = _run(1, {(gone, "train", "1"), (late, "train", "1")}, None)
     assert secure.history[0].updates == 4 == plain.history[0].updates
+    assert secure.history[0].agg["secagg_survivors"] == 4.0
     init = mlp_task().init_params()
     for name, want in plain.params.items():
         got = secure.params[name]

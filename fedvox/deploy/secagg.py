@@ -189,6 +189,7 @@ class SecureRounds:
         self.sums = SecureSum(config)  # public parameters per call, its call counter
         self.collect = collect  # (grid, ids, want) -> replies, as DeployServer._collect
         self.log: list[RoundLog] = []
+        self.last: dict[str, float] = {}  # the last successful sum's metrics
 
     def _round(
         self, grid: Grid, group: str, stage: str, requests: dict[int, dict], arrays=None
@@ -280,6 +281,11 @@ class SecureRounds:
             for c, r in got.items()
         ]
         total, survivors = server.unmask(responses)
+        self.last = {
+            "secagg_aborted": 0.0,
+            "secagg_survivors": float(len(survivors)),
+            "secagg_threshold": float(params.threshold),
+        }
         values_, weight = decode(total, self.config)
         out, offset = {}, 0
         for name, shape in shapes.items():

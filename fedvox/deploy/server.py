@@ -389,6 +389,8 @@ class DeployServer:
         mean_loss = float(loss[kept].mean()) if bool(kept.any()) else math.nan
         taus = [int(t) for t in staleness.tolist()]
         agg = self.aggregator.metrics()
+        if self.rounds is not None and total is not None:
+            agg.update(self.rounds.last)
         record = StepLog(self.step, jobs, taus, count, mean_loss, self._now(), in_flight, agg)
         self.history.append(record)
         if self.on_step is not None:
