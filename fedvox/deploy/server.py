@@ -163,6 +163,13 @@ class DeployServer:
         ids = grid.push([Envelope(node, QUERY) for node in nodes])
         replies = self._collect(grid, ids, len(ids))
         self.nodes = {int(r.values["client"]): r.node for r in replies if r.kind != ERROR}
+        failed = [
+            f"node {r.node}: {r.values.get('reason', '')}" for r in replies if r.kind == ERROR
+        ]
+        if failed and not self.nodes:
+            raise DeployError(f"no node could join: {failed[0]}")
+        if failed:
+            log.warning("%d nodes failed to join: %s", len(failed), "; ".join(failed))
         if sorted(self.nodes) != list(range(len(self.nodes))):
             raise DeployError(f"nodes hold clients {sorted(self.nodes)}, not 0..n-1")
 

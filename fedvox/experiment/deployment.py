@@ -220,6 +220,69 @@ def _trip_record(t: TripLog, seq: int, down: int, up: int) -> TripRecord:
     )
 
 
+class _RunLog:
+    """Writes a deployed run's trips.jsonl, arrivals.jsonl and metrics.jsonl (server steps,
+    quick evaluations) as trips end and steps happen; counters as the simulator keeps them."""
+
+    def __init__(self, run, cfg, data, task, server: DeployServer, down: int, up: int) -> None:
+        from fedvox.experiment.federated import TRIPS_FILE
+
+        self.run, self.cfg, self.data, self.task, self.server = run, cfg, data, task, server
+        self.down, self.up = down, up
+        self.trips_path = run.path / TRIPS_FILE
+        self.counts = {"trips": 0, "dropped_out": 0, "stale": 0, "cancelled": 0}
+        for path in (run.metrics_path, self.trips_path, run.path / ARRIVALS_FILE):
+            truncate_lines(path, 0)
+
+    def on_trip(self, t: TripLog) -> None:
+        """One trip's end: a TripRecord and its full TripLog line."""
+        c = self.counts
+        c["trips" if t.status in ("aggregated", "stale") else t.status] += 1
+        c["stale"] += t.status == "stale"
+        seq = c["trips"] + c["dropped_out"] + c["cancelled"]
+        append_run_log(self.trips_path, [_trip_record(t, seq, self.down, self.up)])
+        with open(self.run.path / ARRIVALS_FILE, "a") as fh:
+            fh.write(json.dumps(dataclasses.asdict(t), sort_keys=True) + "\n")
+
+    def on_step(self, s: StepLog) -> None:
+        """One server step's record, an evaluation when due, then the next margin."""
+        from fedvox.experiment.evaluate import quick_eval
+
+        f, c = self.cfg.federated, self.counts
+        rec = ServerStepRecord(
+            step=s.step,
+            virtual_time_s=round(s.seconds, 3),
+            trips=c["trips"],
+            updates=s.updates,
+            loss=s.loss,
+            staleness=tuple(s.staleness),
+            concurrency=s.in_flight,
+            bytes_down=sum(self.server.trips.values()) * self.down,
+            bytes_up=c["trips"] * self.up,
+            dropped_out=c["dropped_out"],
+            stale=c["stale"],
+            cancelled=c["cancelled"],
+            agg=s.agg,
+        )
+        records: list = [rec]
+        if s.step % f.eval_every == 0 or s.step == f.server_steps:
+            self.task.load_params(self.server.params)
+            m = quick_eval(self.task.extractor, self.cfg, self.data)
+            records.append(
+                EvalRecord(
+                    step=s.step,
+                    trips=c["trips"],
+                    virtual_time_s=rec.virtual_time_s,
+                    bytes_up=rec.bytes_up,
+                    bytes_down=rec.bytes_down,
+                    loss=s.loss,
+                    **m,
+                )
+            )
+        append_run_log(self.run.metrics_path, records)
+        _set_margin(self.task, margin_at(self.cfg, s.step))
+
+
 def serve(grid: Grid, run_config: dict[str, Any]) -> None:
     """The ServerApp's body: the run folder's config, trained over `grid` by a DeployServer,
     logged, evaluated and reported like `fedvox train`; STATUS_FILE says how it ended."""
@@ -233,8 +296,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> None:
 
 
 def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
-    from fedvox.experiment.evaluate import quick_eval
-    from fedvox.experiment.federated import TRIPS_FILE, build_setup
+    from fedvox.experiment.federated import build_setup
     from fedvox.experiment.prepare import prepare
     from fedvox.experiment.runner import _evaluate_and_finish
     from fedvox.training.centralised import set_determinism
@@ -263,56 +325,8 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
         ),
         secure=_secagg_config(cfg, sim.population.num_clients),
     )
-    for path in (run.metrics_path, run.path / TRIPS_FILE, run.path / ARRIVALS_FILE):
-        truncate_lines(path, 0)
-    down, up = sim.bytes_down_per_trip, sim.bytes_up_per_trip
-    counts = {"trips": 0, "dropped_out": 0, "stale": 0, "cancelled": 0, "started": 0}
-
-    def on_trip(t: TripLog) -> None:
-        counts["trips" if t.status in ("aggregated", "stale") else t.status] += 1
-        counts["stale"] += t.status == "stale"
-        seq = sum(counts[k] for k in ("trips", "dropped_out", "cancelled"))
-        append_run_log(run.path / TRIPS_FILE, [_trip_record(t, seq, down, up)])
-        line = json.dumps(dataclasses.asdict(t), sort_keys=True) + "\n"
-        with open(run.path / ARRIVALS_FILE, "a") as fh:
-            fh.write(line)
-
-    def on_step(s: StepLog) -> None:
-        started = sum(server.trips.values())
-        rec = ServerStepRecord(
-            step=s.step,
-            virtual_time_s=round(s.seconds, 3),
-            trips=counts["trips"],
-            updates=s.updates,
-            loss=s.loss,
-            staleness=tuple(s.staleness),
-            concurrency=s.in_flight,
-            bytes_down=started * down,
-            bytes_up=counts["trips"] * up,
-            dropped_out=counts["dropped_out"],
-            stale=counts["stale"],
-            cancelled=counts["cancelled"],
-            agg=s.agg,
-        )
-        records: list = [rec]
-        if s.step % f.eval_every == 0 or s.step == f.server_steps:
-            task.load_params(server.params)
-            m = quick_eval(task.extractor, cfg, data)
-            records.append(
-                EvalRecord(
-                    step=s.step,
-                    trips=counts["trips"],
-                    virtual_time_s=round(s.seconds, 3),
-                    bytes_up=rec.bytes_up,
-                    bytes_down=rec.bytes_down,
-                    loss=s.loss,
-                    **m,
-                )
-            )
-        append_run_log(run.metrics_path, records)
-        _set_margin(task, margin_at(cfg, s.step))
-
-    server.on_trip, server.on_step = on_trip, on_step
+    log = _RunLog(run, cfg, data, task, server, sim.bytes_down_per_trip, sim.bytes_up_per_trip)
+    server.on_trip, server.on_step = log.on_trip, log.on_step
     t0 = time.perf_counter()
     params = server.run(grid, f.server_steps)
     task.load_params(params)
@@ -325,8 +339,8 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
             "steps": server.step,
             "seconds": round(seconds, 2),
             "seconds_per_step": round(seconds / max(server.step, 1), 3),
-            "bytes_down_per_trip": down,
-            "bytes_up_per_trip": up,
+            "bytes_down_per_trip": log.down,
+            "bytes_up_per_trip": log.up,
             "virtual_time_s": "wall-clock seconds since the server started",
         },
     )
