@@ -22,7 +22,9 @@ else:  # a checkout without the `deploy` extra
     pytest.importorskip("flwr", reason="Flower (the `deploy` extra) is not installed")
 
 from tiny_corpus import TINY_DATA, TINY_EVAL
+from typer.testing import CliRunner
 
+from fedvox.cli import app
 from fedvox.deploy.keys import write_keys
 from fedvox.deploy.processes import _identify, _started, descendants
 from fedvox.experiment.config import load_config
@@ -34,6 +36,7 @@ from fedvox.experiment.deployment import (
     node_config,
     prepare_deployed_run,
 )
+from fedvox.experiment.runfolder import RunFolder
 from fedvox.records import ServerStepRecord, TripRecord, read_run_log
 
 pytestmark = pytest.mark.slow
@@ -144,29 +147,44 @@ def test_a_federation_on_loopback_with_tls_node_auth_dropout_and_rejoin(tmp_path
     assert time.monotonic() - t0 < 1500
 
 
-def test_secure_aggregation_through_supernodes_with_tls(tmp_path: Path) -> None:
-    # one FedAvg round whose sum is formed by fedvox's SecAgg over Flower messages: every
-    # ClientApp call is a fresh process, so each node's keys, shares and held update live in
-    # Flower's Context.state between the protocol's rounds
-    keys = write_keys(tmp_path / "keys", ["localhost", "127.0.0.1"], NODES)
+def _processes_naming(text: str) -> list[int]:
+    """PIDs whose command line mentions `text` (a check only: nothing is signalled)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_text(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_deploy_local_runs_secure_aggregation_through_supernodes_with_tls(tmp_path: Path) -> None:
+    # `fedvox deploy local` end to end: one FedAvg round whose sum is formed by fedvox's
+    # SecAgg over Flower messages. Every ClientApp call is a fresh process, so each node's
+    # keys, shares and held update live in Flower's Context.state between the 4 rounds.
     path = tmp_path / "secagg.toml"
     text = CFG.format(algorithm="fedavg", steps=1, cache=tmp_path / "cache")
     text = text.replace("buffer_size = 1", 'weighting = "uniform"')
     path.write_text(text + "[federated.privacy]\nsecure_aggregation = true\n")
-    settings = LocalSettings(nodes=NODES, keys=keys.root, reply_timeout=300, wait_nodes_s=120)
-    run, shards, _ = prepare_deployed_run(load_config(path), tmp_path / "run", settings)
-    with LocalFederation(tmp_path / "fed", keys) as fed:
-        fed.start_link()
-        for i in range(NODES):
-            fed.register(i)
-            fed.start_node(i, node_config(shards[i]))
-        fed.submit(app_folder(run))
-        status = fed.wait(run, 900)
-    assert status["status"] == "completed", status
+    out = tmp_path / "run"
+    argv = ["deploy", "local", str(path), "--nodes", "3", "--out", str(out)]
+    res = CliRunner().invoke(app, [*argv, "--reply-timeout", "300", "--timeout", "900"])
+    assert res.exit_code == 0, res.output
+    assert "TLS + node authentication" in res.output
+    run = RunFolder.open(out)
     (step,) = read_run_log(run.metrics_path, (ServerStepRecord,))
-    assert step.updates == NODES and step.agg.get("secagg_aborted", 0.0) == 0.0
-    # each node answered the four protocol rounds after training
-    for i in range(NODES):
-        log = (tmp_path / "fed" / "logs" / f"node-{i}.log").read_text(errors="replace")
-        assert log.count("Receiving: query message") == 1 + 4  # discovery + 4 rounds
-    assert (run.path / "model.pt").is_file()
+    assert step.updates == NODES and step.agg["secagg_survivors"] == NODES
+    deployed = run.manifest()["deploy_local"]
+    assert deployed["tls"] and deployed["node_authentication"]
+    assert deployed["flower"]["status"] == "finished:completed"
+    assert (
+        deployed["flower"]["inbound-bytes"]
+        >= NODES * run.manifest()["deployed"]["bytes_up_per_trip"]
+    )
+    for i in range(NODES):  # each node answered discovery and the 4 protocol rounds
+        log = (out / "deploy" / "logs" / f"node-{i}.log").read_text(errors="replace")
+        assert log.count("Receiving: query message") == 1 + 4
+    assert (out / "model.pt").is_file() and (out / "report.md").is_file()
+    # the command stopped everything it started (their command lines name the run folder)
+    assert _processes_naming(str(out.resolve())) == []
