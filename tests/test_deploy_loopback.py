@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -74,7 +77,7 @@ def _prepare(tmp: Path, algorithm: str, steps: int, keys: Path, timeout: float |
 def _wait_for_line(log: Path, text: str, after: int, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if text in log.read_bytes()[after:].decode(errors="replace"):
+        if log.is_file() and text in log.read_bytes()[after:].decode(errors="replace"):
             return
         time.sleep(0.2)
     raise AssertionError(f"{log} did not log {text!r} within {timeout} s")
@@ -187,4 +190,24 @@ def test_deploy_local_runs_secure_aggregation_through_supernodes_with_tls(tmp_pa
         assert log.count("Receiving: query message") == 1 + 4
     assert (out / "model.pt").is_file() and (out / "report.md").is_file()
     # the command stopped everything it started (their command lines name the run folder)
+    assert _processes_naming(str(out.resolve())) == []
+
+
+def test_ctrl_c_stops_every_process_deploy_local_started(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(CFG.format(algorithm="fedavg", steps=50, cache=tmp_path / "cache"))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = "from fedvox.cli import main; main()"
+    argv = [sys.executable, "-c", code, "deploy", "local", str(path), "--nodes", "3"]
+    proc = subprocess.Popen([*argv, "--out", str(out)], env=env, stdout=subprocess.PIPE)
+    try:
+        _wait_for_line(out / "deploy" / "logs" / "node-2.log", "SuperNode ID", 0, 300)
+        assert len(_processes_naming(str(out.resolve()))) >= 4  # the SuperLink and 3 nodes
+        os.kill(proc.pid, signal.SIGINT)  # what Ctrl-C sends
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert _processes_naming(str(out.resolve())) == []
