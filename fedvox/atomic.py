@@ -22,13 +22,17 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
-def atomic_write(path: str | Path, writer: Callable[[IO[bytes]], None]) -> Path:
-    """Write via `writer(fileobj)` into a temp file beside `path`, fsync, then rename over it."""
+def atomic_write(
+    path: str | Path, writer: Callable[[IO[bytes]], None], mode: int | None = None
+) -> Path:
+    """Write via `writer(fileobj)` into a temp file beside `path`, fsync, then rename over it;
+    `mode` (e.g. 0o600 for a private key) holds from the first byte written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; results are ordinary files
+        # mkstemp makes 0600; results are ordinary files unless a mode is asked for
+        os.fchmod(fd, 0o666 & ~_UMASK if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             writer(f)
             f.flush()
@@ -43,9 +47,9 @@ def atomic_write(path: str | Path, writer: Callable[[IO[bytes]], None]) -> Path:
     return path
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Atomically replace `path` with `data`."""
-    return atomic_write(path, lambda f: f.write(data))
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> Path:
+    """Atomically replace `path` with `data` (file mode `mode` if given)."""
+    return atomic_write(path, lambda f: f.write(data), mode)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -542,6 +542,168 @@ def config(
         print(text, end="")
 
 
+deploy_app = typer.Typer(
+    help=(
+        "Run a federated config as a real federation on Flower's runtime (the `deploy` "
+        "extra): keys, a local federation on loopback, or the commands for separate machines."
+    ),
+    no_args_is_help=True,
+)
+app.add_typer(deploy_app, name="deploy")
+
+InsecureOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure",
+        help="No TLS and no node authentication: anyone on the network can read updates and "
+        "join as a node. For debugging only.",
+    ),
+]
+
+
+def _warn_insecure() -> None:
+    console.print(
+        "[bold red]WARNING: --insecure: no TLS, no node authentication. Updates travel in "
+        "clear text and any process can join as a node. Debugging only.[/]",
+        highlight=False,
+    )
+
+
+@deploy_app.command("keys")
+def deploy_keys(
+    out_dir: Annotated[Path, typer.Argument(help="Folder for the CA, certificate and keys.")],
+    hosts: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--host",
+            help="Name or IP the nodes dial for the SuperLink (repeatable; default "
+            "localhost and 127.0.0.1).",
+        ),
+    ] = None,
+    nodes: Annotated[int, typer.Option(help="Node key pairs to make.")] = 4,
+    overwrite: Annotated[bool, typer.Option(help="Replace keys already in OUT.")] = False,
+) -> None:
+    """Make a CA, the SuperLink's TLS certificate and N node EC key pairs (private keys 0600).
+
+    ca.pem goes to every node; superlink.pem/.key stay on the SuperLink; nodes/node-i.key
+    goes to node i only; nodes/node-i.pub is what the SuperLink registers.
+    """
+    from fedvox.deploy.keys import write_keys
+
+    layout = write_keys(out_dir, hosts or ["localhost", "127.0.0.1"], nodes, overwrite)
+    out.print(f"wrote a CA, the SuperLink certificate and {nodes} node key pairs in {layout.root}")
+
+
+def _local_settings(nodes, insecure, keys, reply_timeout, timeout=3600.0):
+    from fedvox.experiment.deployment import LocalSettings
+
+    return LocalSettings(
+        nodes=nodes, insecure=insecure, keys=keys, reply_timeout=reply_timeout, timeout_s=timeout
+    )
+
+
+NodesOpt = Annotated[
+    int | None,
+    typer.Option(help="Nodes (one client each); default: the clients of the config's partition."),
+]
+ReplyTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--reply-timeout",
+        help="Seconds a synchronous round waits for its updates (missing ones are dropouts); "
+        "asynchronous: seconds without any reply before the run stops.",
+    ),
+]
+
+
+@deploy_app.command("prepare")
+def deploy_prepare(
+    config: Annotated[Path, typer.Argument(help="Federated experiment config (TOML).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Run folder.")],
+    nodes: NodesOpt = None,
+    reply_timeout: ReplyTimeoutOpt = None,
+    sets: SetOpt = None,
+    overwrite: Annotated[bool, typer.Option(help="Reuse an existing run folder.")] = False,
+) -> None:
+    """Write a run folder, one data shard per node and the Flower app folder (no processes).
+
+    Then `fedvox deploy print-commands RUN` says what to start where.
+    """
+    from fedvox.experiment.deployment import prepare_deployed_run
+
+    cfg = _config(config, sets)
+    settings = _local_settings(nodes, True, None, reply_timeout)
+    run, shards, _ = prepare_deployed_run(cfg, out_dir, settings, overwrite)
+    out.print(f"prepared {run.path}: {len(shards)} node shards in {shards[0].parent}")
+
+
+@deploy_app.command("print-commands")
+def deploy_print_commands(
+    run: Annotated[Path, typer.Argument(help="Run folder of `fedvox deploy prepare`.")],
+    host: Annotated[str, typer.Option(help="Name or IP of the SuperLink machine.")],
+    keys: Annotated[
+        Path | None, typer.Option(help="Folder of `fedvox deploy keys` (made for --host).")
+    ] = None,
+    port: Annotated[int, typer.Option(help="The SuperLink's port.")] = 9092,
+    node_dir: Annotated[
+        str, typer.Option(help="Folder on each node machine holding its files.")
+    ] = "/opt/fedvox-node",
+    insecure: InsecureOpt = False,
+) -> None:
+    """Print the exact commands that run a prepared run on separate machines."""
+    from fedvox.experiment.deployment import print_commands
+    from fedvox.experiment.runfolder import RunFolder
+
+    if insecure:
+        _warn_insecure()
+    elif keys is None:
+        raise FedvoxError(
+            "--keys: missing. Fix: give the folder of `fedvox deploy keys`, or --insecure"
+        )
+    for line in print_commands(
+        RunFolder.open(run), host, port, None if insecure else keys, node_dir
+    ):
+        print(line)
+
+
+@deploy_app.command("local")
+def deploy_local_cmd(
+    config: Annotated[Path, typer.Argument(help="Federated experiment config (TOML).")],
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run folder (default runs/<name>-deployed).")
+    ] = None,
+    nodes: NodesOpt = None,
+    keys: Annotated[
+        Path | None,
+        typer.Option(help="Keys of `fedvox deploy keys` (default: fresh ones in the run folder)."),
+    ] = None,
+    reply_timeout: ReplyTimeoutOpt = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
+    insecure: InsecureOpt = False,
+    sets: SetOpt = None,
+    overwrite: Annotated[bool, typer.Option(help="Reuse an existing run folder.")] = False,
+) -> None:
+    """Run a federated config on loopback: one SuperLink and a SuperNode per client with TLS
+    and node authentication, each holding its shard; writes a normal run folder and report.
+
+    Every process it starts is stopped by its PID at the end, on an error and on Ctrl-C.
+    """
+    from fedvox.experiment.deployment import deploy_local
+
+    if insecure:
+        _warn_insecure()
+    cfg = _config(config, sets)
+    settings = _local_settings(nodes, insecure, keys, reply_timeout, timeout)
+    path = out_dir or Path("runs") / f"{cfg.name}-deployed"
+    status = deploy_local(cfg, path, settings, overwrite)
+    traffic = status.get("flower", {})
+    out.print(
+        f"{path}: {status['steps']} server steps in {status['seconds']:.1f} s on "
+        f"{'TLS + node authentication' if status['tls'] else 'INSECURE transport'}; "
+        f"Flower moved {traffic.get('total-bytes', 0) / 1e6:.1f} MB; report {path / 'report.md'}"
+    )
+
+
 def main() -> None:
     """Console entry point: user errors become one clear line and exit status 2."""
     try:

@@ -147,7 +147,9 @@ def _deploy(algorithm, steps: int, arrival=None, one_by_one=False, **cfg) -> Dep
         ServerConfig(**{"concurrency": 6, "seed": 3, **cfg}),
     )
     clients = client_app(
-        lambda node_config: ClientNode(task, population, int(node_config["partition-id"]), CLIENT)
+        lambda node_config, run_config: ClientNode(
+            task, population, int(node_config["partition-id"]), CLIENT
+        )
     )
     grid = FakeGrid(clients, len(SIZES), arrival, one_by_one)
     app = server_app(lambda g, run_config: server.run(g, steps))

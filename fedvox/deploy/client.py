@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fedvox.deploy.grid import QUERY, TRAIN, DeployError, Envelope, Value
+from fedvox.deploy.secagg import STAGE, SecAggNode
 from fedvox.fl.local import ClientConfig, Task
 from fedvox.fl.population import Population
 from fedvox.fl.simulator import ClientUpdate, plain_client_update
@@ -25,9 +26,15 @@ class ClientNode:
     client: int
     config: ClientConfig
     update: ClientUpdate = plain_client_update
+    secure: SecAggNode | None = None  # secure aggregation: updates leave only masked
 
     def handle(self, request: Envelope) -> Envelope:
-        """The reply to one request: the node's identity (QUERY) or its update (TRAIN)."""
+        """The reply to one request: the node's identity (QUERY), its update (TRAIN; with
+        secure aggregation it is held back), or a secure-aggregation round (QUERY)."""
+        if request.kind == QUERY and STAGE in request.values:
+            if self.secure is None:
+                raise DeployError("a secure aggregation round, but this node has no SecAggNode")
+            return self.secure.handle(request)
         if request.kind == QUERY:
             n = int(self.population.num_examples(self.client))
             return self._reply(request, values={"client": self.client, "num_examples": n})
@@ -44,7 +51,23 @@ class ClientNode:
             "num_examples": int(res.num_examples[0]),
             "loss": float(res.loss[0]),
         }
-        return self._reply(request, {n: d[0] for n, d in res.delta.items()}, values)
+        delta = {n: d[0] for n, d in res.delta.items()}
+        if request.values.get("secure"):
+            if self.secure is None:
+                raise DeployError("asked to hold an update for secure aggregation without one")
+            self.secure.hold(request.group, {n: delta[n] for n in request.arrays})
+            return self._reply(request, {}, values)
+        return self._reply(request, delta, values)
+
+    def state(self) -> tuple[dict[str, Value], Params]:
+        """What must survive until the next message (secure aggregation's secrets and held
+        updates); empty without secure aggregation."""
+        return ({}, {}) if self.secure is None else self.secure.state()
+
+    def restore(self, values: dict[str, Value], arrays: Params) -> None:
+        """Take back what `state` returned after the previous message."""
+        if self.secure is not None:
+            self.secure.restore(values, arrays)
 
     def _reply(
         self,

@@ -20,6 +20,8 @@ from fedvox.deploy.grid import ERROR, Envelope
 
 ARRAYS = "arrays"  # the RecordDict keys fedvox uses
 VALUES = "values"
+STATE_VALUES = "fedvox-state"  # Context.state keys: what a node keeps between messages
+STATE_ARRAYS = "fedvox-state-arrays"
 
 
 def to_content(envelope: Envelope) -> RecordDict:
@@ -72,28 +74,46 @@ class FlowerGrid:
         ]
 
 
+TTL_KEY = "message-ttl"  # run-config key: seconds a request may wait for its node (0: Flower's)
+
+
 def server_app(main: Callable[[FlowerGrid, dict[str, Any]], None]) -> ServerApp:
-    """A ServerApp running `main(grid, run_config)`, e.g. a DeployServer's run."""
+    """A ServerApp running `main(grid, run_config)`, e.g. a DeployServer's run; requests
+    expire after the run config's `message-ttl` seconds (a restarted node then does not
+    train requests its server gave up on)."""
     app = ServerApp()
 
     @app.main()
     def _main(grid: FlowerGridApi, context: Context) -> None:
-        main(FlowerGrid(grid), dict(context.run_config))
+        config = dict(context.run_config)
+        ttl = float(config.get(TTL_KEY, 0)) or None
+        main(FlowerGrid(grid, ttl), config)
 
     return app
 
 
-def client_app(load: Callable[[dict[str, Any]], ClientNode]) -> ClientApp:
-    """A ClientApp whose node is `load(node_config)` (built once per node id): it answers
-    QUERY and TRAIN requests through ClientNode.handle."""
+def client_app(load: Callable[[dict[str, Any], dict[str, Any]], ClientNode]) -> ClientApp:
+    """A ClientApp whose node is `load(node_config, run_config)` (built once per node and
+    run): it answers QUERY and TRAIN requests through ClientNode.handle."""
     app = ClientApp()
-    nodes: dict[int, ClientNode] = {}
+    nodes: dict[tuple[int, int], ClientNode] = {}
 
     def handle(message: Message, context: Context) -> Message:
-        node = nodes.get(context.node_id)
+        node = nodes.get((context.node_id, context.run_id))
         if node is None:
-            node = nodes[context.node_id] = load(dict(context.node_config))
+            node = load(dict(context.node_config), dict(context.run_config))
+            nodes[(context.node_id, context.run_id)] = node
+        # a node's secrets between messages live in Flower's Context.state (the runtime
+        # starts a fresh ClientApp process per message and keeps the context for the run)
+        state = context.state
+        if STATE_VALUES in state.config_records:
+            saved = state.array_records.get(STATE_ARRAYS)
+            arrays = {} if saved is None else saved.to_torch_state_dict()
+            node.restore(dict(state.config_records[STATE_VALUES]), dict(arrays))
         reply = node.handle(from_message(message))
+        values, arrays = node.state()
+        state[STATE_VALUES] = ConfigRecord(dict(values))
+        state[STATE_ARRAYS] = ArrayRecord.from_torch_state_dict(arrays) if arrays else ArrayRecord()
         return Message(to_content(reply), reply_to=message)
 
     app.train()(handle)

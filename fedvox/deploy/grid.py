@@ -17,7 +17,7 @@ TRAIN = "train"  # start params in, Δ = w_start − w_local out
 QUERY = "query"  # which federation-wide client this node holds
 ERROR = "error"  # a node's failure (its handler raised, or the runtime gave up)
 
-Value = int | float | str | bool
+Value = int | float | str | bool | bytes
 
 
 class DeployError(FedvoxError, RuntimeError):

@@ -225,17 +225,24 @@ def _server_learning(
 
 def _global_task(cfg: ExperimentConfig, data: PreparedData) -> nn.Module:
     """The task of the modes whose speakers live on the server: global head, codewords, FedAwS."""
+    return global_task(cfg, data.feat_dim, len(data.train_speakers()), data.init)
+
+
+def global_task(
+    cfg: ExperimentConfig, feat_dim: int, n_speakers: int, init: InitModel | None = None
+) -> nn.Module:
+    """`_global_task` from sizes alone: what a deployed node builds (its weights then come
+    from the server with every request)."""
     f = cfg.federated
     assert f is not None
-    n_speakers = len(data.train_speakers())
     if f.speakers == "fedaws":
         return FedAwSTask(
-            build_federated_extractor(cfg, data.feat_dim, data.init),
+            build_federated_extractor(cfg, feat_dim, init),
             n_speakers,
             pos_margin=f.fedaws.pos_margin,
             seed=cfg.seed,
         )
-    task = build_task(cfg, data.feat_dim, n_speakers, data.init)
+    task = build_task(cfg, feat_dim, n_speakers, init)
     if f.speakers == "codewords":
         task.fix_head(derived_seed(cfg.seed, Purpose.CODEWORDS, bits=32))
     return task

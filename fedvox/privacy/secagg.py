@@ -506,6 +506,52 @@ class SecAggClient:
         self._revealed: dict[int, str] = {}  # peer -> "self_mask" | "key"
         self._stage = "start"
 
+    def state_dict(self) -> dict[str, bytes | int | str]:
+        """Everything this client holds between rounds, as flat bytes/ints/strings (a deployed
+        node whose runtime starts a fresh process per message keeps it there; it is secret)."""
+        if self._identity is not None or self._u3 is not None:
+            raise ValueError("the signed protocol's client state is not exported")
+        out: dict[str, bytes | int | str] = {"id": self.id, "stage": self._stage}
+        if self._c_sk is not None and self._s_sk is not None:
+            out["c_sk"] = self._c_sk.private_bytes_raw()
+            out["s_sk"] = self._s_sk.private_bytes_raw()
+        if self._b is not None:
+            out["b"] = self._b
+        for v, (c, s_) in self._peers.items():
+            out[f"peer_c.{v}"], out[f"peer_s.{v}"] = c, s_
+        for v, (b, sk) in self._held.items():
+            out[f"held_b.{v}"], out[f"held_sk.{v}"] = b, sk
+        for v, what in self._revealed.items():
+            out[f"revealed.{v}"] = what
+        return out
+
+    @classmethod
+    def from_state(
+        cls,
+        params: ProtocolParams,
+        state: Mapping[str, bytes | int | str],
+        entropy: Callable[[int], bytes],
+    ) -> SecAggClient:
+        """The client `state_dict` described, in the protocol `params` (unsigned only)."""
+        if params.signed:
+            raise ValueError("the signed protocol's client state is not imported")
+        client = cls(int(state["id"]), params, entropy)
+        client._stage = str(state["stage"])
+        if "c_sk" in state:
+            client._c_sk = X25519PrivateKey.from_private_bytes(bytes(state["c_sk"]))  # type: ignore[arg-type]
+            client._s_sk = X25519PrivateKey.from_private_bytes(bytes(state["s_sk"]))  # type: ignore[arg-type]
+        if "b" in state:
+            client._b = bytes(state["b"])  # type: ignore[arg-type]
+        for key, value in state.items():
+            kind, _, peer = key.partition(".")
+            if kind == "peer_c":
+                client._peers[int(peer)] = (bytes(value), bytes(state[f"peer_s.{peer}"]))  # type: ignore[arg-type]
+            elif kind == "held_b":
+                client._held[int(peer)] = (bytes(value), bytes(state[f"held_sk.{peer}"]))  # type: ignore[arg-type]
+            elif kind == "revealed":
+                client._revealed[int(peer)] = str(value)
+        return client
+
     def _advance(self, expect: str, to: str) -> None:
         if self._stage != expect:
             raise SecAggViolation(f"client {self.id}: got a {to} message in stage {self._stage}")
