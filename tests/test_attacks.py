@@ -314,11 +314,11 @@ def test_a_run_config_records_the_malicious_updates_of_each_server_step(tmp_path
 
 
 def test_robustness_study_declares_every_attack_fraction_and_defence() -> None:
-    from fedvox.experiment.repro import STUDIES, arm_config
+    from fedvox.experiment.repro import DEFENCES, STUDIES, arm_config
 
     study = STUDIES["robustness"]
     names = [a.name for a in study.arms]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 37
     cfgs = {a.name: arm_config(study, a, {"seed": 2}) for a in study.arms}  # all validate
     for name in ("clean-none", "sign-flip-5-median", "scale-20-krum", "nan-20-none"):
         assert name in cfgs
@@ -332,6 +332,12 @@ def test_robustness_study_declares_every_attack_fraction_and_defence() -> None:
     trips = {f.concurrency * f.server_steps for f in fed}
     assert trips == {300} and {c.seed for c in cfgs.values()} == {2}
     assert {f.speakers for f in fed} == {"local"}
+    backdoor = [n for n in names if n.startswith("backdoor-")]
+    assert sorted(backdoor) == sorted(f"backdoor-{p}-{d}" for p in (5, 20) for d in DEFENCES)
+    bd = cfgs["backdoor-20-krum"].federated
+    assert (bd.attack.kind, bd.attack.fraction, bd.robust.rule) == ("backdoor", 0.2, "krum")
+    assert bd.attack.boost == 10.0 and bd.attack.backdoor_pairs == 2
+    assert cfgs["sign-flip-5-none"].federated.attack.boost == 1.0  # only backdoors boost
 
 
 def test_robustness_table_gives_damage_against_the_same_defence_and_ratio_to_clean() -> None:
@@ -354,6 +360,7 @@ def test_robustness_table_gives_damage_against_the_same_defence_and_ratio_to_cle
         row("sign-flip-20-none", "sign_flip", 20, "none", 0.40),
         row("sign-flip-20-median", "sign_flip", 20, "median", 0.26),
         row("scale-20-none", "scale", 20, "none", math.nan, diverged="scores not finite"),
+        row("backdoor-20-median", "backdoor", 20, "median", 0.27, attack_success=0.375),
     ]
     lines = TABLES["robustness"](rows)
     by = {r["arm"]: r for r in rows}
@@ -362,7 +369,15 @@ def test_robustness_table_gives_damage_against_the_same_defence_and_ratio_to_cle
     assert by["sign-flip-20-median"]["ratio_to_clean"] == pytest.approx(1.3)  # vs clean-none
     assert by["scale-20-none"]["damage"] is None
     text = "\n".join(lines)
-    assert "| sign-flip-20-none | sign_flip | 20 % | none | 40.00% | +20.00 | 2.00 | 60 |" in text
+    assert "| sign-flip-20-none | sign_flip | 20 % | none | 40.00% | +20.00 | 2.00 | 60 | — |" in (
+        text
+    )
+    assert "| clean-none | none | 0 % | none | 20.00% | +0.00 | 1.00 | 0 | — |" in text
+    assert (
+        "| backdoor-20-median | backdoor | 20 % | median | 27.00% | +2.00 | 1.35 | 60 | 37.5 % |"
+        in (text)
+    )
+    assert all(line.count("|") == 10 for line in lines)  # every row has the success column
     assert "diverged (non-finite model)" in text
 
 
