@@ -536,6 +536,13 @@ class CompressionSection(_Strict):
         description="topk: keep what was not sent on the device and add it to the next trip "
         "(costs 4 bytes a coordinate per client that has sent, saved in checkpoints)",
     )
+    shared_range: float | None = Field(
+        None,
+        gt=0,
+        description="quantize: one public grid [−c, c) of 2^bits levels for every client "
+        "(c a power of two) instead of per-chunk scales; with secure aggregation the ring "
+        "then narrows to bits + ceil(log2 cohort) bits a coordinate. None = per-chunk scales",
+    )
 
 
 class ReconstructionSection(_Strict):
