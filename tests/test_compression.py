@@ -619,3 +619,15 @@ def test_a_run_with_secure_aggregation_and_compression_counts_the_ring_it_sends(
     assert {r.bytes_up for r in trips} == {4 + math.ceil((dim + 1) * ring_bits / 8)}
     if "mechanism" in privacy:
         assert evals[-1].epsilon is not None and evals[-1].epsilon > 0
+
+
+def test_a_shared_grid_ring_refuses_values_off_the_grid_and_weights_other_than_one() -> None:
+    cfg = SecAggConfig(modulus_bits=6, grid_range=0.25, grid_bits=4)  # step 1/32
+    rng = np.random.default_rng(0)
+    ok = encode(np.array([-0.25, 0.0, 0.25 - 1 / 32]), 1.0, cfg, rng)
+    assert ok.tolist() == [0, 8, 15, 1]  # the levels, then the weight
+    for bad in (np.array([0.01]), np.array([0.25]), np.array([-0.28125])):
+        with pytest.raises(ValueError, match="off the grid"):
+            encode(bad, 1.0, cfg, rng)
+    with pytest.raises(ValueError, match="weight 1"):
+        encode(np.array([0.0]), 0.5, cfg, rng)

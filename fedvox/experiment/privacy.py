@@ -129,11 +129,11 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             bits = MAX_SCALE_BITS
             while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
                 bits -= 1
-        grid: dict[str, float | int] = {}
-        if shared_grid(f):  # the levels of a shared grid: bits + ⌈log2 cohort⌉ are enough
-            c = f.compression
+        c = f.compression
+        grid_range, grid_bits = None, None
+        if shared_grid(f) and c.shared_range is not None:  # levels: bits + ⌈log2 cohort⌉ bits
             modulus = levels_ring_bits(c.bits, cohort)
-            grid = {"grid_range": float(c.shared_range), "grid_bits": c.bits}  # type: ignore[arg-type]
+            grid_range, grid_bits = float(c.shared_range), int(c.bits)
         config = SecAggConfig(
             modulus_bits=modulus,
             threshold=p.secagg_threshold,
@@ -144,7 +144,8 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             seed=derived_seed(seed, Purpose.SECAGG_SESSION),
             on_abort=p.secagg_on_abort,
             consistency_check=p.secagg_consistency_check,
-            **grid,  # type: ignore[arg-type]
+            grid_range=grid_range,
+            grid_bits=grid_bits,
         )
         config.check_capacity(cohort)
         pipe.summer = SecureSum(config)

@@ -259,9 +259,8 @@ def _encode_levels(vector: np.ndarray, weight: float, config: SecAggConfig) -> n
     c, step = config.grid_range, config.grid_range * 2.0 ** (1 - config.grid_bits)
     j = (vector.reshape(-1).astype(np.float64) + c) / step
     levels = np.rint(j)
-    if not (np.all(np.abs(j - levels) < 1e-6) and levels.min() >= 0) or (
-        levels.max() >= 2**config.grid_bits
-    ):
+    on_grid = np.abs(j - levels) < 1e-6
+    if not (on_grid.all() and levels.min() >= 0 and levels.max() < 2**config.grid_bits):
         raise ValueError("secure aggregation's shared grid got a value off the grid")
     out = np.empty(vector.size + 1, config.dtype)
     out[:-1] = levels.astype(config.dtype)
