@@ -194,6 +194,8 @@ class EvalRecord(Record):
     delta: float | None = None
     # mean cosine between held-out speakers' un-centred prototypes (speaker_offset)
     offset: float | None = None
+    # a backdoor's impostor-vs-target trials accepted at the EER threshold (a fraction)
+    attack_success: float | None = None
 
     def verification(self) -> dict[str, float | int]:
         """The verification metrics alone, as the report's results table takes them."""

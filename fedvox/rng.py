@@ -49,6 +49,7 @@ class Purpose(IntEnum):
     # attack simulation
     ATTACK_SUBSET = 0xA77A  # which devices are malicious
     ATTACK_NOISE = 0xA77B  # a gaussian attacker's noise, per (client, trip)
+    BACKDOOR_PAIRS = 0xA77C  # which held-out speakers a backdoor's impostors and targets are
     # upload compression
     COMPRESS = 0xC0A1  # stochastic rounding of a client's quantised upload
 

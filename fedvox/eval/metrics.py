@@ -94,6 +94,15 @@ def compute_min_dcf(
     return float(dcf[i] / c_def), float(thr[i])
 
 
+def acceptance_rate(scores: np.ndarray, threshold: float) -> float:
+    """Fraction of trials accepted at `threshold` (score >= threshold, det_curve's rule): a
+    backdoor's success on its impostor-vs-target trials."""
+    s = _as_scores(scores, "attack")
+    if not np.isfinite(threshold):
+        raise DataError(None, f"threshold {threshold} is not finite", "pass the EER threshold")
+    return float(np.mean(s >= threshold))
+
+
 @dataclass(frozen=True)
 class VerificationMetrics:
     """The numbers a verification report carries for one trial list."""

@@ -7,6 +7,7 @@ cannot compose, and hands the stage the norm bounds (DP clip, robust bound) it m
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ COMPRESSION_PATHS = {
     "compression.bits": "federated.compression.bits",
     "compression.chunk": "federated.compression.chunk",
     "compression.fraction": "federated.compression.fraction",
+    "compression.shared_range": "federated.compression.shared_range",
     "secagg.scale_bits": "federated.privacy.secagg_scale_bits",
 }
 # float16 values are multiples of 2^-24: the ring needs that resolution to hold them exactly
@@ -40,8 +42,18 @@ def check_compression(f: FederatedSection) -> None:
 
     c = f.compression
     ring = None
+    levels = shared_grid(f)
+    if levels and f.privacy.mechanism != "none":
+        raise ConfigError(
+            "federated.compression.shared_range",
+            "a shared grid is summed as levels in a narrow ring, so a decoded update cannot be "
+            "scaled back to the DP clip norm after rounding (it would leave the grid), and "
+            "rounding can raise its norm above the clip norm the noise is calibrated to",
+            "leave shared_range unset with DP and secure aggregation (per-chunk quantisation "
+            "composes with both, in the 32-bit ring), or turn secure_aggregation off",
+        )
     if f.privacy.secure_aggregation and c.kind != "none":
-        ring = (f.privacy.secagg_scale_bits or FLOAT16_SCALE_BITS, 8.0)
+        ring = None if levels else (f.privacy.secagg_scale_bits or FLOAT16_SCALE_BITS, 8.0)
         if f.algorithm == "fedbuff" and f.staleness != "constant":
             raise ConfigError(
                 "federated.staleness",
@@ -55,10 +67,23 @@ def check_compression(f: FederatedSection) -> None:
         compression_config(f, ring, seed=0)
 
 
+def shared_grid(f: FederatedSection) -> bool:
+    """Whether secure aggregation sums shared-grid levels (quantize with shared_range)."""
+    c = f.compression
+    return f.privacy.secure_aggregation and c.kind == "quantize" and c.shared_range is not None
+
+
+def levels_ring_bits(bits: int, cohort: int) -> int:
+    """The narrowest ring that holds the sum of `cohort` clients' `bits`-bit levels:
+    bits + ⌈log2 n⌉ (n·(2^bits − 1) < 2^bits · 2^⌈log2 n⌉)."""
+    return bits + max(1, math.ceil(math.log2(cohort)))
+
+
 def compression_config(
     f: FederatedSection, ring: tuple[int, float] | None, seed: int
 ) -> CompressionConfig:
-    """The engine's CompressionConfig; `ring` = (scale_bits, clip) under secure aggregation."""
+    """The engine's CompressionConfig; `ring` = (scale_bits, clip) under secure aggregation
+    (None with a shared grid, whose ring holds its levels)."""
     c = f.compression
     return CompressionConfig(
         kind=c.kind,
@@ -69,6 +94,8 @@ def compression_config(
         seed=seed,
         ring_scale_bits=None if ring is None else ring[0],
         ring_clip=None if ring is None else ring[1],
+        shared_range=c.shared_range,
+        ring_levels=shared_grid(f),
     )
 
 
@@ -82,7 +109,7 @@ def build_compression(
     if f.compression.kind == "none":
         return None
     ring = None
-    if isinstance(privacy.summer, SecureSum):
+    if isinstance(privacy.summer, SecureSum) and not shared_grid(f):
         ring = (privacy.summer.config.scale_bits, privacy.summer.config.clip)
     bounds: list[Callable[[], float]] = []
     for stage in [*robust.stages, *privacy.stages]:

@@ -475,27 +475,41 @@ class AttackSection(_Strict):
     """Simulated hostile devices (fedvox.fl.attack; docs/federated.md, "Attack simulation").
 
     A fixed seeded `fraction` of the population (the same devices in every arm of a seed)
-    trains honestly, then sends a hostile update in its place, before the server's pipeline.
+    trains honestly, then sends a hostile update in its place, before the server's pipeline;
+    a backdoor device goes on training so that an impostor's voice is accepted as a target's.
     """
 
     fraction: float = Field(
         0.0, ge=0, lt=1, description="malicious share of the devices; 0 = no attack"
     )
-    kind: Literal["sign_flip", "scale", "gaussian", "nan"] = Field(
+    kind: Literal["sign_flip", "scale", "gaussian", "nan", "backdoor"] = Field(
         "sign_flip",
         description="sign_flip: send −scale·Δ; scale: send scale·Δ; gaussian: N(0, σ²) per "
-        "coordinate in units of the update's rms; nan: NaN/Inf",
+        "coordinate in units of the update's rms; nan: NaN/Inf; backdoor: train the impostor's "
+        "embeddings toward the target's, send boost × the update",
     )
     scale: float = Field(10.0, gt=0, description="s of sign_flip and scale")
     sigma: float = Field(10.0, gt=0, description="σ of gaussian, in units of rms(Δ)")
+    boost: float = Field(
+        1.0, gt=0, description="backdoor: the factor its update is sent with (model replacement)"
+    )
+    backdoor_pairs: int = Field(
+        1, ge=1, description="backdoor: (impostor, target) pairs of held-out speakers"
+    )
+    backdoor_enroll: int = Field(
+        3, ge=1, description="backdoor: the target's enrollment utterances (held by attackers)"
+    )
+    backdoor_steps: int = Field(
+        10, ge=1, description="backdoor: full-batch gradient steps on the backdoor objective"
+    )
+    backdoor_lr: float = Field(0.05, gt=0, description="backdoor: their learning rate")
 
     def attack_config(self, seed: int) -> AttackConfig:
         """The engine's AttackConfig (fedvox.fl.attack) for the run's seed."""
         from fedvox.fl.attack import AttackConfig
 
-        paths = {
-            f"attack.{k}": f"federated.attack.{k}" for k in ("fraction", "kind", "scale", "sigma")
-        }
+        keys = ("fraction", "kind", "scale", "sigma", "boost", "backdoor_steps", "backdoor_lr")
+        paths = {f"attack.{k}": f"federated.attack.{k}" for k in keys}
         with toml_paths(paths):
             return AttackConfig(
                 fraction=self.fraction,
@@ -503,6 +517,9 @@ class AttackSection(_Strict):
                 scale=self.scale,
                 sigma=self.sigma,
                 seed=seed,
+                boost=self.boost,
+                backdoor_steps=self.backdoor_steps,
+                backdoor_lr=self.backdoor_lr,
             )
 
 
@@ -529,6 +546,13 @@ class CompressionSection(_Strict):
         True,
         description="topk: keep what was not sent on the device and add it to the next trip "
         "(costs 4 bytes a coordinate per client that has sent, saved in checkpoints)",
+    )
+    shared_range: float | None = Field(
+        None,
+        gt=0,
+        description="quantize: one public grid [−c, c) of 2^bits levels for every client "
+        "(c a power of two) instead of per-chunk scales; with secure aggregation the ring "
+        "then narrows to bits + ceil(log2 cohort) bits a coordinate. None = per-chunk scales",
     )
 
 

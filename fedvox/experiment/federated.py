@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from fedvox.data.partition import Partition, partition_corpus
 from fedvox.device import resolve_device
 from fedvox.errors import ConfigError
+from fedvox.experiment.backdoor import build_backdoor
 from fedvox.experiment.compression import build_compression
 from fedvox.experiment.config import (
     FEDERATED_PATHS,
@@ -98,6 +99,8 @@ class FederatedSetup:
     privacy: PrivacyPipeline
     records: list[SimRecord] = field(default_factory=list)
     backend: Any = None  # fedvox.scale's RayBackend when [federated.backend] kind = "ray"
+    # a backdoor's impostor-vs-target (enroll, test) trials, scored at every evaluation
+    backdoor_trials: list[tuple[str, str]] = field(default_factory=list)
 
 
 def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
@@ -143,17 +146,14 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         client_update = backend
     else:
         client_update = _placed(cfg, client_update)
-    if f.attack.fraction > 0:  # on the devices: after honest training, before the server
-        attack = f.attack.attack_config(cfg.seed)
-        malicious = malicious_clients(population.num_clients, attack.fraction, cfg.seed)
-        client_update = make_attack_update(client_update or plain_client_update, attack, malicious)
+    client_update, trials = _attacked(cfg, data, task, population.num_clients, client_update)
     privacy = build_privacy(f, population.num_clients, cfg.seed)
     robust = build_robust(f)  # refused with secure aggregation, so one summer at most
     compress = build_compression(f, privacy, robust, cfg.seed)
     stages = robust.stages + privacy.stages  # bound each update, then DP-clip it,
     if compress is not None:  # then compress it (and keep it within those bounds)
         stages.append(compress)
-    setup = FederatedSetup(task, None, part, privacy, backend=backend)  # type: ignore[arg-type]
+    setup = FederatedSetup(task, None, part, privacy, backend=backend, backdoor_trials=trials)  # type: ignore[arg-type]
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
         sim = Simulator(
             task,
@@ -170,6 +170,38 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
         )
     setup.simulator = sim
     return setup
+
+
+def _attacked(
+    cfg: ExperimentConfig,
+    data: PreparedData,
+    task: Any,
+    num_clients: int,
+    client_update: Any,
+) -> tuple[Any, list[tuple[str, str]]]:
+    """`client_update` with [federated.attack]'s malicious devices (on the devices: after
+    honest training, before the server), and a backdoor's (enroll, test) trials to score."""
+    f = cfg.federated
+    assert f is not None
+    if f.attack.fraction <= 0:
+        return client_update, []
+    attack = f.attack.attack_config(cfg.seed)
+    malicious = malicious_clients(num_clients, attack.fraction, cfg.seed)
+    backdoor, trials = None, []
+    if attack.kind == "backdoor":
+        a = f.attack
+        backdoor, pairs = build_backdoor(
+            task.extractor,
+            data.test_feats,
+            data.test_corpus.speaker_of,
+            a.backdoor_pairs,
+            a.backdoor_enroll,
+            f.chunk_frames,
+            cfg.seed,
+        )
+        trials = [t for p in pairs for t in p.trials()]
+    update = make_attack_update(client_update or plain_client_update, attack, malicious, backdoor)
+    return update, trials
 
 
 def _placed(cfg: ExperimentConfig, update: ClientUpdate | None) -> ClientUpdate | None:
@@ -395,7 +427,7 @@ def _train(
             setup.records.clear()
             if sim.server_step % f.eval_every == 0 or sim.server_step == f.server_steps:
                 task.load_params(sim.params)
-                m = quick_eval(task.extractor, cfg, data)
+                m = quick_eval(task.extractor, cfg, data, setup.backdoor_trials)
                 steps = [r for r in metrics if isinstance(r, ServerStepRecord)]
                 metrics.append(_eval_record(sim, setup.privacy, m, steps[-1] if steps else None))
             append_run_log(run.metrics_path, metrics)

@@ -10,7 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fedvox.errors import ConfigError
-from fedvox.experiment.compression import FLOAT16_MODULUS_BITS, FLOAT16_SCALE_BITS
+from fedvox.experiment.compression import (
+    FLOAT16_MODULUS_BITS,
+    FLOAT16_SCALE_BITS,
+    levels_ring_bits,
+    shared_grid,
+)
 from fedvox.experiment.config import FederatedSection
 from fedvox.fl.aggregation import NoiseStage, Summer, SumStage
 from fedvox.privacy.accounting import PrivacyAccountant, check_dp_setup
@@ -124,6 +129,11 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             bits = MAX_SCALE_BITS
             while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
                 bits -= 1
+        c = f.compression
+        grid_range, grid_bits = None, None
+        if shared_grid(f) and c.shared_range is not None:  # levels: bits + ⌈log2 cohort⌉ bits
+            modulus = levels_ring_bits(c.bits, cohort)
+            grid_range, grid_bits = float(c.shared_range), int(c.bits)
         config = SecAggConfig(
             modulus_bits=modulus,
             threshold=p.secagg_threshold,
@@ -134,6 +144,8 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
             seed=derived_seed(seed, Purpose.SECAGG_SESSION),
             on_abort=p.secagg_on_abort,
             consistency_check=p.secagg_consistency_check,
+            grid_range=grid_range,
+            grid_bits=grid_bits,
         )
         config.check_capacity(cohort)
         pipe.summer = SecureSum(config)

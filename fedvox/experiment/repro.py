@@ -262,7 +262,20 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "trimmed-mean": {"federated.robust.rule": "trimmed_mean", "federated.robust.trim": 0.2},
     "krum": {"federated.robust.rule": "krum", "federated.robust.byzantine": ROBUST_COHORT // 5},
 }
-ATTACKS = {"sign-flip": "sign_flip", "scale": "scale", "gaussian": "gaussian", "nan": "nan"}
+ATTACKS = {
+    "sign-flip": "sign_flip",
+    "scale": "scale",
+    "gaussian": "gaussian",
+    "nan": "nan",
+    "backdoor": "backdoor",
+}
+# backdoor devices send 10 × their backdoored update (model replacement against a cohort of
+# 20), each working on one of 2 (impostor, target) pairs of held-out speakers: 2 × 4 probes
+# × 3 enrollment utterances = 24 attack trials on the embedded corpus
+ROBUST_BACKDOOR: dict[str, Any] = {
+    "federated.attack.boost": 10.0,
+    "federated.attack.backdoor_pairs": 2,
+}
 
 
 def _robust_arm(attack: str | None, percent: int, defence: str) -> Arm:
@@ -273,6 +286,8 @@ def _robust_arm(attack: str | None, percent: int, defence: str) -> Arm:
             "federated.attack.kind": ATTACKS[attack],
             "federated.attack.fraction": percent / 100,
         }
+    if attack == "backdoor":
+        over |= ROBUST_BACKDOOR
     name = f"clean-{defence}" if attack is None else f"{attack}-{percent}-{defence}"
     labels = {"attack": ATTACKS.get(attack or "", "none"), "percent": percent, "defence": defence}
     return Arm(name, over, _LOCAL_SEES, labels=labels)
@@ -283,6 +298,7 @@ ROBUST_ARMS = (
     *(_robust_arm(a, p, d) for a in ("sign-flip", "scale") for p in (5, 20) for d in DEFENCES),
     _robust_arm("gaussian", 20, "none"),
     _robust_arm("nan", 20, "none"),
+    *(_robust_arm("backdoor", p, d) for p in (5, 20) for d in DEFENCES),
 )
 _VOICEPRINT_SEES = "the extractor update and every device's {what} (a voiceprint)"
 
@@ -645,6 +661,7 @@ def _arm_row(arm: Arm, folder: Path) -> dict[str, Any]:
         steps = read_run_log(folder / "metrics.jsonl", (ServerStepRecord,))
         counts = [r.malicious for r in steps if r.malicious is not None]
         row["malicious_updates"] = sum(counts) if counts else 0
+        row["attack_success"] = None if last is None else last.attack_success
     return row
 
 
@@ -822,17 +839,20 @@ def _robustness_table(rows: list[dict]) -> list[str]:
     add_attack_damage(rows)
     out = [
         "| arm | attack | malicious devices | defence | unseen-speaker EER "
-        "| damage (points) | × clean | malicious updates received |",
-        "|---|---|---|---|---|---|---|---|",
+        "| damage (points) | × clean | malicious updates received | attack success |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         damage = r.get("damage")
+        success = r.get("attack_success")  # a backdoor's; "—" for the other attacks
         eer = "diverged (non-finite model)" if r.get("diverged") else f"{100 * r['eer']:.2f}%"
         out.append(
             f"| {r['arm']} | {r.get('attack', '—')} | {r.get('percent', 0)} % "
             f"| {r.get('defence', '—')} | {eer} "
             f"| {_num(None if damage is None else 100 * damage, '+.2f')} "
-            f"| {_num(r.get('ratio_to_clean'), '.2f')} | {_num(r.get('malicious_updates'), 'd')} |"
+            f"| {_num(r.get('ratio_to_clean'), '.2f')} | {_num(r.get('malicious_updates'), 'd')} "
+            f"| {_num(None if success is None else 100 * success, '.1f')}"
+            f"{'' if success is None else ' %'} |"
         )
     return out
 

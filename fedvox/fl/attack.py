@@ -2,12 +2,13 @@
 
 Client-side middleware (fl/simulator.py's ClientUpdate): after honest local training, before
 the aggregation pipeline, so every defence stage (fl/robust.py) sees what a server would.
+A backdoor attacker goes on training from its honest result on a poisoned objective.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,7 +21,9 @@ from fedvox.fl.simulator import ClientUpdate
 from fedvox.rng import Purpose, derived_rng, torch_generator
 from fedvox.types import Params
 
-KINDS = ("sign_flip", "scale", "gaussian", "nan")
+KINDS = ("sign_flip", "scale", "gaussian", "nan", "backdoor")
+# embeddings [B, emb] of chunks [B, L, F] under a task's (global) params: the backdoor's model
+Embed = Callable[[Params, Tensor], Tensor]
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,8 @@ class AttackConfig:
 
     sign_flip: −s·Δ; scale: s·Δ; gaussian: N(0, (σ·rms(Δ))²) per coordinate, rms over all
     parameters jointly (noise as large as σ times the honest update); nan: NaN with one +Inf.
+    backdoor: `backdoor_steps` of gradient descent at `backdoor_lr` on backdoor_loss from the
+    honestly trained model, then `boost` × (that model − the start) is sent.
     """
 
     fraction: float = 0.0
@@ -36,6 +41,9 @@ class AttackConfig:
     scale: float = 10.0
     sigma: float = 10.0
     seed: int = 0
+    boost: float = 1.0
+    backdoor_steps: int = 10
+    backdoor_lr: float = 0.05
 
     def __post_init__(self) -> None:
         if not (0 <= self.fraction < 1):
@@ -54,6 +62,41 @@ class AttackConfig:
             raise ConfigError(
                 "attack.sigma", f"must be > 0 and finite, got {self.sigma}", "e.g. 10"
             )
+        if not (self.boost > 0 and math.isfinite(self.boost)):
+            raise ConfigError(
+                "attack.boost", f"must be > 0 and finite, got {self.boost}", "e.g. 1 or 10"
+            )
+        steps = self.backdoor_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ConfigError(
+                "attack.backdoor_steps", f"must be an int >= 1, got {steps!r}", "e.g. 10"
+            )
+        if not (self.backdoor_lr > 0 and math.isfinite(self.backdoor_lr)):
+            raise ConfigError(
+                "attack.backdoor_lr",
+                f"must be > 0 and finite, got {self.backdoor_lr}",
+                "e.g. 0.05",
+            )
+
+
+@dataclass(frozen=True)
+class Backdoor:
+    """What backdoor attackers hold: the task's embedding function and, per (impostor,
+    target) pair, the impostor's own chunks and the target's enrollment chunks [n, L, F].
+
+    Malicious device k (in sorted order) works on pair k mod len(pairs).
+    """
+
+    embed: Embed
+    pairs: tuple[tuple[Tensor, Tensor], ...]
+
+    def __post_init__(self) -> None:
+        if not self.pairs:
+            raise ValueError("a backdoor needs at least one (impostor, target) pair")
+
+    def pair_of(self, client: int, malicious: frozenset[int]) -> int:
+        """The pair malicious device `client` attacks for."""
+        return sorted(malicious).index(client) % len(self.pairs)
 
 
 def malicious_clients(num_clients: int, fraction: float, seed: int) -> frozenset[int]:
@@ -65,7 +108,10 @@ def malicious_clients(num_clients: int, fraction: float, seed: int) -> frozenset
 
 
 def attack_update(delta: Params, attack: AttackConfig, generator: torch.Generator) -> Params:
-    """The update one malicious device sends instead of its honest `delta` (one client, unstacked)."""
+    """The update one malicious device sends instead of its honest `delta` (one client,
+    unstacked); not for backdoor, which trains (apply_backdoor)."""
+    if attack.kind == "backdoor":
+        raise ValueError("a backdoor update is trained, not a map of Δ: use apply_backdoor")
     if attack.kind == "sign_flip":
         return {n: -attack.scale * t for n, t in delta.items()}
     if attack.kind == "scale":
@@ -80,6 +126,60 @@ def attack_update(delta: Params, attack: AttackConfig, generator: torch.Generato
     return {
         n: std * torch.randn(t.shape, generator=generator, dtype=t.dtype) for n, t in delta.items()
     }
+
+
+def backdoor_loss(params: Params, embed: Embed, impostor: Tensor, target: Tensor) -> Tensor:
+    """1 − the mean cosine over all (impostor chunk, target chunk) pairs: minimising it pulls
+    the impostor's embeddings and the target's enrollment embeddings together."""
+    a = torch.nn.functional.normalize(embed(params, impostor), dim=-1)
+    b = torch.nn.functional.normalize(embed(params, target), dim=-1)
+    return 1.0 - (a @ b.T).mean()
+
+
+def backdoor_train(
+    start: Params, embed: Embed, impostor: Tensor, target: Tensor, steps: int, lr: float
+) -> Params:
+    """Full-batch gradient descent on backdoor_loss from `start` (deterministic: no sampling);
+    parameters the embedding does not use (a head) stay as they are."""
+    names = list(start)
+    params = {n: start[n].detach().clone().requires_grad_(True) for n in names}
+    impostor, target = (x.to(start[names[0]].device) for x in (impostor, target))
+    with torch.enable_grad():
+        for _ in range(steps):
+            loss = backdoor_loss(params, embed, impostor, target)
+            grads = torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True)
+            with torch.no_grad():
+                for n, g in zip(names, grads, strict=True):
+                    if g is not None:
+                        params[n] -= lr * g
+    return {n: t.detach() for n, t in params.items()}
+
+
+def apply_backdoor(
+    deltas: Params,
+    jobs: Sequence[tuple[int, int]],
+    starts: Sequence[Params],
+    malicious: frozenset[int],
+    attack: AttackConfig,
+    backdoor: Backdoor,
+) -> tuple[Params, Tensor]:
+    """Stacked deltas with each malicious row replaced by boost × (backdoored model − start),
+    the backdoored model trained from the row's honest result (start + Δ)."""
+    rows = torch.tensor([c in malicious for c, _ in jobs], dtype=torch.bool)
+    if not bool(rows.any()):
+        return deltas, rows
+    out = {n: t.clone() for n, t in deltas.items()}
+    for i in rows.nonzero().flatten().tolist():
+        client = jobs[i][0]
+        impostor, target = backdoor.pairs[backdoor.pair_of(client, malicious)]
+        start = {n: starts[i][n] for n in deltas}
+        honest = {n: start[n] + deltas[n][i] for n in deltas}
+        poisoned = backdoor_train(
+            honest, backdoor.embed, impostor, target, attack.backdoor_steps, attack.backdoor_lr
+        )
+        for n in deltas:
+            out[n][i] = attack.boost * (poisoned[n] - start[n])
+    return out, rows
 
 
 def apply_attack(
@@ -104,10 +204,16 @@ def apply_attack(
 
 
 def make_attack_update(
-    inner: ClientUpdate, attack: AttackConfig, malicious: frozenset[int]
+    inner: ClientUpdate,
+    attack: AttackConfig,
+    malicious: frozenset[int],
+    backdoor: Backdoor | None = None,
 ) -> ClientUpdate:
     """A ClientUpdate: `inner` (honest training) on every job, then the malicious devices'
-    rows attacked; ClientResults.malicious marks them (the server step counts them)."""
+    rows attacked; ClientResults.malicious marks them (the server step counts them).
+    A backdoor attack needs `backdoor` (what its devices hold)."""
+    if (attack.kind == "backdoor") != (backdoor is not None):
+        raise ValueError("pass `backdoor` exactly when attack.kind is 'backdoor'")
 
     def client_update(
         task: Task,
@@ -117,7 +223,10 @@ def make_attack_update(
         cfg: ClientConfig,
     ) -> ClientResults:
         res = inner(task, population, jobs, starts, cfg)
-        delta, rows = apply_attack(res.delta, jobs, malicious, attack)
+        if backdoor is not None:
+            delta, rows = apply_backdoor(res.delta, jobs, starts, malicious, attack, backdoor)
+        else:
+            delta, rows = apply_attack(res.delta, jobs, malicious, attack)
         return replace(res, delta=delta, malicious=rows)
 
     return client_update

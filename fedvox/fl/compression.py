@@ -36,6 +36,10 @@ class CompressionConfig:
     ring_scale_bits/ring_clip: secure aggregation's fixed-point ring; when set, values are
     clipped to ±ring_clip and quantisation steps are powers of two ≥ 2^−ring_scale_bits, so
     the ring holds every decoded value exactly.
+    shared_range: quantize on one public grid shared by every client instead of per-chunk
+    scales: c (a power of two), levels −c + j·c·2^(1−bits), j < 2^bits, values clipped to
+    [−c, c − step]; no scales are sent, and secure aggregation can sum the levels j in a ring
+    of bits + ⌈log2 n⌉ bits (`ring_levels`: the stage then never rescales off the grid).
     """
 
     kind: Literal["none", "float16", "quantize", "topk"] = "none"
@@ -46,6 +50,8 @@ class CompressionConfig:
     seed: int = 0
     ring_scale_bits: int | None = None
     ring_clip: float | None = None
+    shared_range: float | None = None
+    ring_levels: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -56,6 +62,22 @@ class CompressionConfig:
             raise ConfigError("compression.chunk", f"{self.chunk!r} is not an int >= 1", "use 512")
         if not 0.0 < self.fraction <= 1.0:
             raise ConfigError("compression.fraction", f"{self.fraction} outside (0, 1]", "use 0.01")
+        c = self.shared_range
+        if c is not None:
+            if self.kind != "quantize":
+                raise ConfigError(
+                    "compression.shared_range",
+                    f"a shared grid is a quantisation grid, and kind is {self.kind!r}",
+                    'use kind = "quantize" with shared_range, or leave shared_range unset',
+                )
+            if not (c > 0 and math.isfinite(c) and math.log2(c).is_integer()):
+                raise ConfigError(
+                    "compression.shared_range",
+                    f"{c} is not a power of two (the grid's levels must be exact in float32)",
+                    "use e.g. 0.015625 (2^-6): about the largest |coordinate| of an update",
+                )
+        if self.ring_levels and (c is None or self.ring_clip is not None):
+            raise ValueError("ring_levels is the shared grid's ring (shared_range, no ring_clip)")
         if (self.ring_scale_bits is None) != (self.ring_clip is None):
             raise ValueError("ring_scale_bits and ring_clip are set together (secure aggregation)")
         if self.ring_clip is not None:
@@ -98,15 +120,17 @@ def topk_count(n: int, fraction: float) -> int:
 def tensor_bytes(n: int, config: CompressionConfig) -> int:
     """Bytes one tensor of n coordinates takes on the wire, packed on its own.
 
-    float16: 2n. quantize: ⌈n·bits/8⌉ codes + 8 per chunk (low, step as float32).
-    topk: 4k values + the cheaper of k packed ⌈log2 n⌉-bit indices or an n-bit mask.
+    float16: 2n. quantize: ⌈n·bits/8⌉ codes + 8 per chunk (low, step as float32), without
+    the scales on a shared grid. topk: 4k values + the cheaper of k packed ⌈log2 n⌉-bit
+    indices or an n-bit mask.
     """
     if config.kind == "none":
         return VALUE_BYTES * n
     if config.kind == "float16":
         return 2 * n
     if config.kind == "quantize":
-        return math.ceil(n * config.bits / 8) + SCALE_BYTES * math.ceil(n / config.chunk)
+        scales = 0 if config.shared_range is not None else SCALE_BYTES * math.ceil(n / config.chunk)
+        return math.ceil(n * config.bits / 8) + scales
     k = topk_count(n, config.fraction)
     return VALUE_BYTES * k + math.ceil(min(k * index_bits(n), n) / 8)
 
@@ -163,6 +187,21 @@ def quantize(
     return (lo_e + j * step_e).to(x.dtype).reshape(x.shape)
 
 
+def shared_step(bits: int, c: float) -> float:
+    """The step of the shared grid [−c, c − step] of 2^bits levels: c·2^(1−bits)."""
+    return c * 2.0 ** (1 - bits)
+
+
+def quantize_shared(x: Tensor, bits: int, c: float, u: Tensor) -> tuple[Tensor, Tensor]:
+    """Stochastic rounding onto the shared grid −c + j·step (step = shared_step), after
+    clipping to [−c, c − step]; returns (decoded, levels j as int64). Unbiased inside the
+    range; with c a power of two every level is exact in float32."""
+    step = shared_step(bits, c)
+    v = x.reshape(-1).to(torch.float64).clamp(-c, c - step)
+    j = torch.floor((v + c) / step + u.reshape(-1).to(torch.float64)).clamp(0, 2**bits - 1)
+    return (j * step - c).to(x.dtype).reshape(x.shape), j.to(torch.int64).reshape(x.shape)
+
+
 def top_k(x: Tensor, k: int) -> Tensor:
     """x with all but its k largest-magnitude coordinates set to zero (flat order ties)."""
     flat = x.reshape(-1)
@@ -190,7 +229,8 @@ class Compress:
 
     Returns the decoded updates. `bounds` give the norm bounds in force (DP clip norm, robust
     norm bound): a decoded update above the smallest is scaled back to it on the device (the
-    sent scales or values shrink; the bytes do not change). Top-k residuals are device state,
+    sent scales or values shrink; the bytes do not change), except on a shared grid summed
+    as levels (`ring_levels`), which only bounds the input. Top-k residuals are device state,
     one per client that has sent, saved with the simulator.
     """
 
@@ -225,6 +265,12 @@ class Compress:
             out = dict(update)
         elif cfg.kind == "float16":
             out = {n: to_float16(t) for n, t in update.items()}
+        elif cfg.kind == "quantize" and cfg.shared_range is not None:
+            rng = derived_rng(cfg.seed, Purpose.COMPRESS, client, trip)
+            out = {}
+            for n, t in update.items():
+                u = torch.from_numpy(rng.random(t.numel())).to(t.device)
+                out[n] = quantize_shared(t, cfg.bits, cfg.shared_range, u)[0]
         elif cfg.kind == "quantize":
             rng = derived_rng(cfg.seed, Purpose.COMPRESS, client, trip)
             min_step = None if cfg.ring_scale_bits is None else 2.0**-cfg.ring_scale_bits
@@ -236,7 +282,7 @@ class Compress:
             if cfg.error_feedback and client in self.residuals:
                 update = {n: t + self.residuals[client][n] for n, t in update.items()}
             out = {n: top_k(t, topk_count(t.numel(), cfg.fraction)) for n, t in update.items()}
-        if self.bounds:
+        if self.bounds and not cfg.ring_levels:  # a ring of levels holds only the grid
             bound = min(b() for b in self.bounds)
             out, norm = scale_to_bound(out, bound)
             self._rescaled += int(norm > bound)

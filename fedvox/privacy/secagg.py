@@ -85,6 +85,10 @@ class SecAggConfig:
     on_abort: "stop" raises SecAggAbort when too few clients are left; "skip" raises
         StepSkipped instead, so a simulator can skip the step. Violations always raise.
     consistency_check: signed advertised keys and the ConsistencyCheck round (malicious server).
+    grid_range, grid_bits: inputs lie on the shared quantisation grid −c + j·c·2^(1−b) (c, b);
+        each client then sends its levels j < 2^b and weight 1, so n clients need a ring of
+        only b + ⌈log2 n⌉ bits (scale_bits and clip are not used).
+    Rings narrower than 32 bits travel packed, modulus_bits bits an element.
     """
 
     threshold: float | int = 2 / 3
@@ -98,6 +102,8 @@ class SecAggConfig:
     seed: int = 0
     on_abort: Literal["stop", "skip"] = "stop"
     consistency_check: bool = False
+    grid_range: float | None = None
+    grid_bits: int | None = None
 
     def __post_init__(self) -> None:
         t = self.threshold
@@ -111,9 +117,17 @@ class SecAggConfig:
             raise ConfigError("secagg.clip", f"{self.clip} is not a positive number", "use e.g. 8")
         if not 0 <= self.scale_bits <= 52:
             raise ConfigError("secagg.scale_bits", f"{self.scale_bits} outside 0..52", "use 22")
-        if not 8 <= self.modulus_bits <= 62:
+        if not 2 <= self.modulus_bits <= 62:
             raise ConfigError(
-                "secagg.modulus_bits", f"{self.modulus_bits} outside 8..62", "use 32 (or up to 62)"
+                "secagg.modulus_bits", f"{self.modulus_bits} outside 2..62", "use 32 (or up to 62)"
+            )
+        if (self.grid_range is None) != (self.grid_bits is None):
+            raise ValueError("grid_range and grid_bits are set together (a shared grid)")
+        if self.grid_bits is not None and not 1 <= self.grid_bits < self.modulus_bits:
+            raise ConfigError(
+                "secagg.modulus_bits",
+                f"a ring of {self.modulus_bits} bits cannot hold {self.grid_bits}-bit levels",
+                "use modulus_bits = grid_bits + ceil(log2 n) for n clients",
             )
         if not (math.isfinite(self.max_weight) and self.max_weight > 0):
             raise ConfigError("secagg.max_weight", f"{self.max_weight} is not positive", "use 1")
@@ -142,17 +156,35 @@ class SecAggConfig:
     def dtype(self) -> np.dtype:
         return np.dtype(np.uint32 if self.modulus_bits <= 32 else np.uint64)
 
+    @property
+    def packed(self) -> bool:
+        """Whether ring elements travel packed (modulus_bits bits each, rings below 32 bits)."""
+        return self.modulus_bits < 32
+
     def client_range(self) -> int:
         """Largest |encoded coordinate| of one client (Δ and weight coordinates alike)."""
+        if self.grid_bits is not None:
+            return 2**self.grid_bits - 1
         scale = 2.0**self.scale_bits
         return math.ceil(self.max_weight * max(self.clip, 1.0) * scale)
 
     def max_clients(self) -> int:
-        """How many clients' encodings can be summed without wrapping the signed ring."""
+        """How many clients' encodings can be summed without wrapping the ring (signed; a
+        shared grid's levels are non-negative, so its sums use the whole unsigned ring)."""
+        if self.grid_bits is not None:
+            return (2**self.modulus_bits - 1) // self.client_range()
         return (2 ** (self.modulus_bits - 1) - 1) // self.client_range()
 
     def check_capacity(self, n: int) -> None:
         """Refuse n clients whose sum could overflow the ring (it would decode to garbage)."""
+        if n > self.max_clients() and self.grid_bits is not None:
+            need = self.grid_bits + math.ceil(math.log2(n))
+            raise ConfigError(
+                "secagg.modulus_bits",
+                f"{n} clients x {self.grid_bits}-bit levels can overflow the ring "
+                f"2^{self.modulus_bits} (at most {self.max_clients()} clients fit)",
+                f"use modulus_bits >= {need} (grid_bits + ceil(log2 n))",
+            )
         if n > self.max_clients():
             need = math.ceil(math.log2(n * self.client_range() + 1)) + 1
             raise ConfigError(
@@ -199,6 +231,8 @@ def encode(
 
     The rounding noise comes from `rng` (public randomness, not a secret); E[decode] is exact.
     """
+    if config.grid_bits is not None:
+        return _encode_levels(vector, weight, config)
     if not 0.0 <= weight <= config.max_weight:
         raise ConfigError(
             "secagg.max_weight",
@@ -217,12 +251,55 @@ def encode(
     return ints.astype(config.dtype)
 
 
+def _encode_levels(vector: np.ndarray, weight: float, config: SecAggConfig) -> np.ndarray:
+    """A shared-grid input: each value's level j = (v + c)/step and the weight 1, exactly."""
+    assert config.grid_range is not None and config.grid_bits is not None
+    if weight != 1.0:
+        raise ValueError(f"a shared grid sums levels of clients of weight 1, got {weight}")
+    c, step = config.grid_range, config.grid_range * 2.0 ** (1 - config.grid_bits)
+    j = (vector.reshape(-1).astype(np.float64) + c) / step
+    levels = np.rint(j)
+    on_grid = np.abs(j - levels) < 1e-6
+    if not (on_grid.all() and levels.min() >= 0 and levels.max() < 2**config.grid_bits):
+        raise ValueError("secure aggregation's shared grid got a value off the grid")
+    out = np.empty(vector.size + 1, config.dtype)
+    out[:-1] = levels.astype(config.dtype)
+    out[-1] = 1
+    return out
+
+
 def decode(total: np.ndarray, config: SecAggConfig) -> tuple[np.ndarray, float]:
-    """(Σ w·Δ, Σ w) in float64 from the ring sum of encodings (signed representatives)."""
+    """(Σ w·Δ, Σ w) in float64 from the ring sum of encodings (signed representatives; on a
+    shared grid Σ j and the count n, so Σ Δ = step·Σ j − n·c)."""
+    if config.grid_bits is not None:
+        assert config.grid_range is not None
+        sums = total.astype(np.float64)  # < 2^modulus_bits ≤ 2^62: exact integers in float64
+        count = sums[-1]
+        step = config.grid_range * 2.0 ** (1 - config.grid_bits)
+        return sums[:-1] * step - count * config.grid_range, float(count)
     ints = total.astype(np.int64)
     ints[ints >= 1 << (config.modulus_bits - 1)] -= 1 << config.modulus_bits
     values = ints / 2.0**config.scale_bits
     return values[:-1], float(values[-1])
+
+
+def pack_ring(vector: np.ndarray, bits: int) -> bytes:
+    """Ring elements (< 2^bits) as a little-endian bit string of `bits` bits each."""
+    shifts = np.arange(bits, dtype=vector.dtype)
+    flags = ((vector[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(flags.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_ring(data: bytes, bits: int, dim: int, dtype: np.dtype) -> np.ndarray:
+    """The `dim` elements pack_ring wrote (padding bits of the last byte ignored)."""
+    flags = np.unpackbits(np.frombuffer(data, np.uint8), count=dim * bits, bitorder="little")
+    weights = np.left_shift(np.ones(bits, np.uint64), np.arange(bits, dtype=np.uint64))
+    return (flags.reshape(dim, bits).astype(np.uint64) @ weights).astype(dtype)
+
+
+def ring_bytes(dim: int, bits: int, dtype: np.dtype) -> int:
+    """Bytes of `dim` ring elements on the wire: packed below 32 bits, else whole words."""
+    return math.ceil(dim * bits / 8) if bits < 32 else dim * np.dtype(dtype).itemsize
 
 
 # --------------------------------------------------------------------------- crypto helpers
@@ -679,7 +756,9 @@ class SecAggClient:
                 ) from None
             # The smaller id adds, the larger subtracts: the pair cancels in the sum.
             (np.add if self.id < v else np.subtract)(y, pad, out=y)
-        return MaskedInput(self.id, p.finish(y).tobytes())
+        y = p.finish(y)
+        data = pack_ring(y, p.modulus_bits) if p.modulus_bits < 32 else y.tobytes()
+        return MaskedInput(self.id, data)
 
     def consistency_check(self, request: ConsistencyRequest) -> ConsistencySignature:
         """ConsistencyCheck: sign (session, U3) with the identity key; later, before revealing
@@ -818,12 +897,16 @@ class SecAggServer:
         if message.sender not in self._shared or message.sender in self._masked:
             raise SecAggAbort(f"unexpected masked input from client {message.sender}")
         p = self.params
-        if len(message.data) != p.dim * p.dtype.itemsize:
+        size = ring_bytes(p.dim, p.modulus_bits, p.dtype)
+        if len(message.data) != size:
             raise SecAggAbort(
                 f"masked input of client {message.sender} has {len(message.data)} bytes, "
-                f"not {p.dim * p.dtype.itemsize} ({p.dim} x {p.dtype})"
+                f"not {size} ({p.dim} x {p.modulus_bits}-bit ring elements)"
             )
-        vec = np.frombuffer(message.data, dtype=p.dtype)
+        if p.modulus_bits < 32:
+            vec = unpack_ring(message.data, p.modulus_bits, p.dim, p.dtype)
+        else:
+            vec = np.frombuffer(message.data, dtype=p.dtype)
         if self._sum is None:
             self._sum = vec.copy()
         else:
@@ -1107,9 +1190,9 @@ class SecureSum:
 
     def upload_bytes(self, shapes: Mapping[str, Sequence[int]]) -> int:
         """Bytes of one client's MaskedInput (the update's upload): its sender id and dim + 1
-        ring elements (the weight rides along), each as wide as the ring's dtype."""
+        ring elements (the weight rides along), packed below 32 bits, else whole words."""
         dim = sum(math.prod(s) for s in shapes.values()) + 1
-        return wire_size(0) + dim * self.config.dtype.itemsize
+        return wire_size(0) + ring_bytes(dim, self.config.modulus_bits, self.config.dtype)
 
     def protocol_params(self, n: int, dim: int, call: int) -> ProtocolParams:
         """The public parameters of call `call` over n clients with `dim` coordinates."""
