@@ -212,13 +212,22 @@ def train(
 
     The folder holds config.toml (resolved), manifest.json, metrics.jsonl, checkpoints/,
     model.pt, backend/, metrics.json, det.png and report.md. Same config + seed → same bits.
+    With train.workers = N > 1 (`--set train.workers=2`) it starts N data-parallel processes
+    through torchrun (DDP; each trains batch_size / N examples a step); bits then repeat for
+    the same N only.
     """
-    from fedvox.experiment.runner import run_experiment
+    from fedvox.experiment.launch import launch_workers, under_launcher, worker_rank
+    from fedvox.experiment.runner import run_experiment, train_worker
 
     cfg = _config(config, sets, device=device)
-    outcome = run_experiment(
-        cfg, out_dir or Path("runs") / cfg.name, progress=not quiet, overwrite=overwrite
-    )
+    out_dir = out_dir or Path("runs") / cfg.name
+    if cfg.train.workers > 1 and not under_launcher():  # train.workers processes (torchrun)
+        flags = [*(["--overwrite"] if overwrite else []), *(["--quiet"] if quiet else [])]
+        raise typer.Exit(launch_workers(cfg, ["train", "{config}", "--out", str(out_dir), *flags]))
+    if worker_rank() > 0:
+        train_worker(cfg)
+        return
+    outcome = run_experiment(cfg, out_dir, progress=not quiet, overwrite=overwrite)
     _print_outcome(outcome)
 
 
@@ -234,8 +243,16 @@ def resume(
     Ends with the same weights an uninterrupted run would have; a torn checkpoint is
     skipped with a warning.
     """
-    from fedvox.experiment.runner import resume_experiment
+    from fedvox.experiment.launch import launch_workers, under_launcher, worker_rank
+    from fedvox.experiment.runfolder import RunFolder
+    from fedvox.experiment.runner import resume_experiment, train_worker
 
+    cfg = RunFolder.open(run).config()
+    if cfg.train.workers > 1 and not under_launcher():  # as many processes as it trained on
+        raise typer.Exit(launch_workers(cfg, ["resume", str(run), *(["--quiet"] if quiet else [])]))
+    if worker_rank() > 0:
+        train_worker(cfg, resume_from=run)
+        return
     _print_outcome(resume_experiment(run, progress=not quiet))
 
 

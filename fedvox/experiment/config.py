@@ -352,6 +352,13 @@ class TrainSection(_Strict):
         "the simulator's client training (the server stays on the CPU); bits are the same "
         "on reruns on the same hardware, not between CPU and GPU",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        description="data-parallel training processes (DDP, gloo on the CPU / nccl on GPUs); "
+        "`fedvox train` starts them through torchrun; each trains batch_size / workers "
+        "examples a step on train.threads threads; bits repeat for the same value only",
+    )
     augment: AugmentSection = AugmentSection()
 
     @model_validator(mode="after")
@@ -361,6 +368,10 @@ class TrainSection(_Strict):
             raise ValueError("chunk_frames must be [low, high] with 10 <= low <= high")
         if self.final_lr > self.lr:
             raise ValueError("final_lr must be <= lr")
+        if self.batch_size % self.workers:
+            raise ValueError(
+                f"batch_size {self.batch_size} must split evenly over workers = {self.workers}"
+            )
         return self
 
 
@@ -883,11 +894,14 @@ class ExperimentConfig(_Strict):
         """Stable short hash of the resolved config (goes in the manifest).
 
         Over what decides the bits: federated.backend (where client training runs: the same
-        bits on any backend) is left out, and so is train.device when it is the default
-        "cpu", so configs from before these fields keep their hash."""
+        bits on any backend) is left out, and so are train.device when it is the default
+        "cpu" and train.workers when it is 1, so configs from before these fields keep their
+        hash."""
         d = self.to_dict()
         if d["train"].get("device") == "cpu":
             del d["train"]["device"]
+        if d["train"].get("workers") == 1:
+            del d["train"]["workers"]
         if d.get("federated"):
             d["federated"].pop("backend", None)
         blob = json.dumps(d, sort_keys=True).encode()
@@ -918,6 +932,14 @@ def config_from_dict(d: dict[str, Any], source: str | None = None) -> Experiment
         cfg = ExperimentConfig.model_validate(d)
     except ValidationError as err:
         raise _first_error(err, source) from None
+    if cfg.federated is not None and cfg.train.workers > 1:
+        raise ConfigError(
+            "train.workers",
+            f"{cfg.train.workers}: data-parallel workers train centralised runs only",
+            "leave train.workers = 1 in a federated run; its clients scale out through "
+            '[federated.backend] kind = "ray"',
+            source,
+        )
     if cfg.federated is not None:
         try:
             cfg.federated.check_engine()

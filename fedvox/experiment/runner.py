@@ -41,6 +41,7 @@ from fedvox.training.centralised import (
     set_determinism,
     train,
 )
+from fedvox.training.distributed import Workers, barrier, init_workers, shutdown
 
 
 def total_steps(cfg: ExperimentConfig) -> int:
@@ -81,7 +82,12 @@ class RunOutcome:
 
 
 def _train_and_finish(
-    run: RunFolder, cfg: ExperimentConfig, data: PreparedData, state: TrainState, progress: bool
+    run: RunFolder,
+    cfg: ExperimentConfig,
+    data: PreparedData,
+    state: TrainState,
+    progress: bool,
+    workers: Workers | None = None,
 ) -> RunOutcome:
     t0 = time.perf_counter()
     points = set(eval_points(cfg.train.steps))
@@ -95,8 +101,11 @@ def _train_and_finish(
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             run.save_checkpoint(st.step, st.to_checkpoint())
 
-    train(state, centralised_config(cfg), on_step=on_step, progress=progress)
-    return _evaluate_and_finish(run, cfg, data, state.extractor, t0, progress)
+    train(state, centralised_config(cfg), on_step=on_step, progress=progress, workers=workers)
+    outcome = _evaluate_and_finish(run, cfg, data, state.extractor, t0, progress)
+    if workers is not None:
+        shutdown(workers)
+    return outcome
 
 
 def _evaluate_and_finish(
@@ -263,8 +272,10 @@ def run_experiment(
 ) -> RunOutcome:
     """A fresh run of `cfg` into folder `out`."""
     resolve_device(cfg.train.device)  # a GPU asked for but absent fails before any work
+    workers = init_workers(cfg.train.workers, cfg.train.device)
     run = RunFolder.create(out, cfg, overwrite=overwrite)
     data = prepare(cfg, progress=progress)
+    barrier(workers)  # the other workers prepare from the cache rank 0 just filled
     run.update_manifest(
         n_train_speakers=len(data.train_speakers()),
         n_train_utts=len(data.train_feats),
@@ -276,9 +287,27 @@ def run_experiment(
         run.update_manifest(
             init_from=str(data.init.path), init_weights_sha256=data.init.weights_sha256
         )
+    if workers.distributed:
+        run.update_manifest(train_workers=workers.world_size)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
-    return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress)
+    return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress, workers)
+
+
+def train_worker(cfg: ExperimentConfig, resume_from: Path | None = None) -> None:
+    """A data-parallel worker of rank > 0: trains its slice of every batch beside rank 0's
+    run_experiment / resume_experiment, and writes nothing (rank 0 owns the run folder)."""
+    workers = init_workers(cfg.train.workers, cfg.train.device)
+    barrier(workers)  # rank 0 has prepared the data (and, resuming, found its checkpoint)
+    data = prepare(cfg, progress=False)
+    state = _fresh_training(cfg, data)
+    if resume_from is not None:
+        found = RunFolder.open(resume_from).load_latest_checkpoint()
+        if found is not None:
+            state.load_checkpoint(found[1])
+            set_determinism(cfg.train.threads, cfg.train.device)
+    train(state, centralised_config(cfg), progress=False, workers=workers)
+    shutdown(workers)
 
 
 def _fresh_training(cfg: ExperimentConfig, data: PreparedData) -> TrainState:
@@ -303,11 +332,13 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
     run = RunFolder.open(path)
     cfg = run.config()
     resolve_device(cfg.train.device)
+    workers = init_workers(cfg.train.workers, cfg.train.device)
     data = prepare(cfg, progress=progress)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=True, progress=progress)
     state = _fresh_training(cfg, data)
     found = run.load_latest_checkpoint()
+    barrier(workers)  # the others load this same checkpoint before the first step
     if found is not None:
         step, ckpt = found
         state.load_checkpoint(ckpt)
@@ -315,7 +346,7 @@ def resume_experiment(path: Path, progress: bool = True) -> RunOutcome:
         run.truncate_metrics(step)
     else:
         run.truncate_metrics(0)
-    return _train_and_finish(run, cfg, data, state, progress)
+    return _train_and_finish(run, cfg, data, state, progress, workers)
 
 
 def evaluate_run(

@@ -23,6 +23,7 @@ from fedvox.models.step import train_step
 from fedvox.progress import training_progress
 from fedvox.rng import Purpose, derived_rng, derived_seed
 from fedvox.training.chunks import ChunkSampler
+from fedvox.training.distributed import SpeakerLoss, Workers, batch_slice, ddp_train_step
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,7 @@ class TrainConfig:
     max_grad_norm: float | None
     threads: int
     device: str = "cpu"
+    workers: int = 1  # data-parallel processes (DDP); see fedvox.training.distributed
 
 
 @dataclass(frozen=True)
@@ -152,14 +154,18 @@ def train(
     cfg: CentralisedConfig,
     on_step: Callable[[TrainState, dict], None] | None = None,
     progress: bool = True,
+    workers: Workers | None = None,
 ) -> TrainState:
     """Run from state.step to cfg.train.steps; `on_step` sees each step's record (logging,
-    checkpoints, periodic evaluation)."""
+    checkpoints, periodic evaluation). With `workers` of more than one process, each trains
+    its slice of every batch under DDP (the group must be initialised)."""
     t = cfg.train
     device = resolve_device(t.device)
+    w = workers or Workers()
+    step_fn = _local_step(state, t) if not w.distributed else _ddp_step(state, t, w)
     state.extractor.train()
     state.head.train()
-    with training_progress(t.steps, state.step, enabled=progress) as bar:
+    with training_progress(t.steps, state.step, enabled=progress and w.is_main) as bar:
         while state.step < t.steps:
             t0 = time.perf_counter()
             x, y = state.sampler.next_batch()
@@ -168,14 +174,7 @@ def train(
                 g["lr"] = lr
             margin = margin_schedule(state.step / t.steps, cfg.model.margin, *cfg.model.margin_ramp)
             state.head.set_margin(margin)
-            loss = train_step(
-                state.extractor,
-                state.head,
-                state.optimizer,
-                torch.from_numpy(x).to(device),
-                torch.from_numpy(y).to(device),
-                max_grad_norm=t.max_grad_norm,
-            )
+            loss = step_fn(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
             if not math.isfinite(loss):
                 raise FloatingPointError(
                     f"training loss became {loss} at step {state.step}. "
@@ -194,3 +193,36 @@ def train(
             if on_step is not None:
                 on_step(state, rec)
     return state
+
+
+def _local_step(state: TrainState, t: TrainConfig) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """One process: the whole batch through models/step.train_step."""
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        return train_step(
+            state.extractor, state.head, state.optimizer, x, y, max_grad_norm=t.max_grad_norm
+        )
+
+    return step
+
+
+def _ddp_step(
+    state: TrainState, t: TrainConfig, w: Workers
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """This rank's slice of each batch through a DDP-wrapped extractor + head."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    part = batch_slice(t.batch_size, w)
+    device = resolve_device(t.device)
+    ids = None
+    if device.type == "cuda":  # this rank's GPU (init_workers set it from LOCAL_RANK)
+        ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    model = DistributedDataParallel(SpeakerLoss(state.extractor, state.head), device_ids=ids)
+    params = [*state.extractor.parameters(), *state.head.parameters()]
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        return ddp_train_step(
+            model, params, state.optimizer, x[part], y[part], w.world_size, t.max_grad_norm
+        )
+
+    return step
