@@ -96,17 +96,20 @@ def test_set_determinism_applies_what_it_records(monkeypatch: pytest.MonkeyPatch
         torch.set_num_threads(threads)
 
 
-def test_the_config_hash_ignores_the_default_device_and_the_backend() -> None:
+def test_the_config_hash_ignores_the_default_device_workers_and_the_backend() -> None:
     import hashlib
     import json
 
     cfg = config_from_dict({"federated": {}})
     d = cfg.to_dict()
     del d["train"]["device"]
+    del d["train"]["workers"]
     d["federated"].pop("backend", None)
     old = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert cfg.hash() == old  # run folders from before these fields keep their hash
     assert config_from_dict({"federated": {}, "train": {"device": "cuda"}}).hash() != old
+    one = config_from_dict({})
+    assert config_from_dict({"train": {"workers": 2}}).hash() != one.hash()  # decides bits
 
 
 def _sim(update=None, algorithm: str = "fedavg", lowrank: bool | None = None) -> Simulator:

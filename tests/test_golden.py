@@ -163,7 +163,6 @@ def _skip_other_isa() -> None:
         pytest.skip(f"golden values were recorded on {RECORDED_ON}; this CPU runs {cap}")
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_short_run_ends_at_the_recorded_bits(name: str, tmp_path: Path, cache: Path) -> None:
     _skip_other_isa()

@@ -167,7 +167,6 @@ shard_size = 1
 )
 
 
-@pytest.mark.slow
 def test_driver_sigkill_and_resume_under_ray_give_the_inline_weights(
     ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,7 +228,6 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-@pytest.mark.slow
 def test_a_federated_job_runs_across_a_two_node_cluster_on_loopback(
     ray_cluster: str, tmp_path: Path
 ) -> None:
