@@ -75,78 +75,96 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
     )
     weighting = f.weighting if f.algorithm == "fedavg" else "uniform"  # staleness weights ≤ 1
     if p.mechanism != "none":
-        check_dp_setup(
-            f.algorithm,
-            "without_replacement" if f.algorithm == "fedavg" else "arrival",
-            mechanism="dp_ftrl" if p.mechanism == "dp_ftrl" else "gaussian",
-            noise_multiplier=p.noise_multiplier,
-            delta=p.delta,
-            num_clients=num_clients,
-            cohort_size=cohort,
-            clip=p.clip,
-            clip_norm=p.clip_norm,
-            count_noise_std=p.count_noise_std,
-            accounting=p.accounting,
-            weighting=weighting,
-            over_selection=f.over_selection,
-            dropout=f.dropout,
-            availability=False,
-            fixed_denominator=True,  # FedAvg divides by the fixed cohort, FedBuff by K
-            once_per_tree=p.mechanism == "dp_ftrl",  # the simulator runs once_per_epoch
-        )
-        if p.clip == "adaptive":
-            clip: FixedClip = AdaptiveClip(
-                p.clip_norm,
-                p.target_quantile,
-                learning_rate=p.clip_lr,
-                count_noise_std=p.count_noise_std,
-                seed=seed,
-            )
-            pipe.noise_multiplier = combined_noise_multiplier(p.noise_multiplier, p.count_noise_std)
-        else:
-            clip = FixedClip(p.clip_norm)
-            pipe.noise_multiplier = p.noise_multiplier
-        pipe.stages.append(clip)
-        if p.mechanism == "gaussian":
-            pipe.noise.append(GaussianNoise(p.noise_multiplier, clip, seed=seed))
-        else:
-            pipe.noise.append(TreeNoise(p.noise_multiplier * p.clip_norm, seed=seed))
+        _add_dp(pipe, f, num_clients, cohort, weighting, seed)
     if p.secure_aggregation:
-        max_weight = 1.0
-        if weighting == "examples":
-            raise ConfigError(
-                "federated.weighting",
-                "secure aggregation needs a public bound on client weights, and example "
-                "counts have none",
-                'set federated.weighting = "uniform" with secure_aggregation',
-            )
-        bits = p.secagg_scale_bits
-        modulus = 32
-        if f.compression.kind == "float16":  # hold float16's 2^-24 steps exactly: a 64-bit ring
-            bits = FLOAT16_SCALE_BITS if bits is None else bits
-            modulus = FLOAT16_MODULUS_BITS
-        if bits is None:  # the finest resolution whose ring still holds the whole cohort
-            bits = MAX_SCALE_BITS
-            while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
-                bits -= 1
-        c = f.compression
-        grid_range, grid_bits = None, None
-        if shared_grid(f) and c.shared_range is not None:  # levels: bits + ⌈log2 cohort⌉ bits
-            modulus = levels_ring_bits(c.bits, cohort)
-            grid_range, grid_bits = float(c.shared_range), int(c.bits)
-        config = SecAggConfig(
-            modulus_bits=modulus,
-            threshold=p.secagg_threshold,
-            scale_bits=bits,
-            max_weight=max_weight,
-            neighbours=p.secagg_neighbours,
-            dropout=p.secagg_dropout,
-            seed=derived_seed(seed, Purpose.SECAGG_SESSION),
-            on_abort=p.secagg_on_abort,
-            consistency_check=p.secagg_consistency_check,
-            grid_range=grid_range,
-            grid_bits=grid_bits,
-        )
-        config.check_capacity(cohort)
-        pipe.summer = SecureSum(config)
+        pipe.summer = SecureSum(_secure_config(f, cohort, weighting, seed))
     return pipe
+
+
+def _add_dp(
+    pipe: PrivacyPipeline,
+    f: FederatedSection,
+    num_clients: int,
+    cohort: int,
+    weighting: str,
+    seed: int,
+) -> None:
+    """Check the DP claim's accounting, then add the clip stage and the noise to `pipe`."""
+    p = f.privacy
+    check_dp_setup(
+        f.algorithm,
+        "without_replacement" if f.algorithm == "fedavg" else "arrival",
+        mechanism="dp_ftrl" if p.mechanism == "dp_ftrl" else "gaussian",
+        noise_multiplier=p.noise_multiplier,
+        delta=p.delta,
+        num_clients=num_clients,
+        cohort_size=cohort,
+        clip=p.clip,
+        clip_norm=p.clip_norm,
+        count_noise_std=p.count_noise_std,
+        accounting=p.accounting,
+        weighting=weighting,
+        over_selection=f.over_selection,
+        dropout=f.dropout,
+        availability=False,
+        fixed_denominator=True,  # FedAvg divides by the fixed cohort, FedBuff by K
+        once_per_tree=p.mechanism == "dp_ftrl",  # the simulator runs once_per_epoch
+    )
+    if p.clip == "adaptive":
+        clip: FixedClip = AdaptiveClip(
+            p.clip_norm,
+            p.target_quantile,
+            learning_rate=p.clip_lr,
+            count_noise_std=p.count_noise_std,
+            seed=seed,
+        )
+        pipe.noise_multiplier = combined_noise_multiplier(p.noise_multiplier, p.count_noise_std)
+    else:
+        clip = FixedClip(p.clip_norm)
+        pipe.noise_multiplier = p.noise_multiplier
+    pipe.stages.append(clip)
+    if p.mechanism == "gaussian":
+        pipe.noise.append(GaussianNoise(p.noise_multiplier, clip, seed=seed))
+    else:
+        pipe.noise.append(TreeNoise(p.noise_multiplier * p.clip_norm, seed=seed))
+
+
+def _secure_config(f: FederatedSection, cohort: int, weighting: str, seed: int) -> SecAggConfig:
+    """Secure aggregation's ring and protocol for [federated.privacy] (and compression)."""
+    p = f.privacy
+    if weighting == "examples":
+        raise ConfigError(
+            "federated.weighting",
+            "secure aggregation needs a public bound on client weights, and example "
+            "counts have none",
+            'set federated.weighting = "uniform" with secure_aggregation',
+        )
+    bits = p.secagg_scale_bits
+    modulus = 32
+    if f.compression.kind == "float16":  # hold float16's 2^-24 steps exactly: a 64-bit ring
+        bits = FLOAT16_SCALE_BITS if bits is None else bits
+        modulus = FLOAT16_MODULUS_BITS
+    if bits is None:  # the finest resolution whose ring still holds the whole cohort
+        bits = MAX_SCALE_BITS
+        while bits > 1 and SecAggConfig(scale_bits=bits).max_clients() < cohort:
+            bits -= 1
+    c = f.compression
+    grid_range, grid_bits = None, None
+    if shared_grid(f) and c.shared_range is not None:  # levels: bits + ⌈log2 cohort⌉ bits
+        modulus = levels_ring_bits(c.bits, cohort)
+        grid_range, grid_bits = float(c.shared_range), int(c.bits)
+    config = SecAggConfig(
+        modulus_bits=modulus,
+        threshold=p.secagg_threshold,
+        scale_bits=bits,
+        max_weight=1.0,
+        neighbours=p.secagg_neighbours,
+        dropout=p.secagg_dropout,
+        seed=derived_seed(seed, Purpose.SECAGG_SESSION),
+        on_abort=p.secagg_on_abort,
+        consistency_check=p.secagg_consistency_check,
+        grid_range=grid_range,
+        grid_bits=grid_bits,
+    )
+    config.check_capacity(cohort)
+    return config

@@ -1027,6 +1027,40 @@ class RunStats:
     bytes_down: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
+class _Wire:
+    """run_protocol's bookkeeping: who is still taking part, bytes and transcript of every
+    message crossing the network, and client compute time per stage."""
+
+    def __init__(
+        self,
+        stats: RunStats,
+        drop_after: dict[int, str],
+        transcript: list[tuple[str, int, Message]] | None,
+    ) -> None:
+        self.stats, self.drop_after, self.transcript = stats, drop_after, transcript
+
+    def takes_part(self, i: int, stage: str) -> bool:
+        return STAGES.index(self.drop_after.get(i, "unmask")) >= STAGES.index(stage)
+
+    def up(self, i: int, m: Message) -> Message:
+        self.stats.bytes_up[i] += wire_size(m)
+        if self.transcript is not None:
+            self.transcript.append(("up", i, m))
+        return m
+
+    def down(self, i: int, m: Message) -> Message:
+        self.stats.bytes_down[i] += wire_size(m)
+        if self.transcript is not None:
+            self.transcript.append(("down", i, m))
+        return m
+
+    def timed(self, stage: str, fn: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        out = fn()
+        self.stats.client_seconds.setdefault(stage, []).append(time.perf_counter() - start)
+        return out
+
+
 def run_protocol(
     params: ProtocolParams,
     inputs: Callable[[int], np.ndarray],
@@ -1050,27 +1084,8 @@ def run_protocol(
         raise ValueError(f"unknown dropout stages {sorted(bad)}; use one of {STAGES}")
     n = params.n
     stats = RunStats(bytes_up=np.zeros(n, np.int64), bytes_down=np.zeros(n, np.int64))
-
-    def takes_part(i: int, stage: str) -> bool:
-        return STAGES.index(drop_after.get(i, "unmask")) >= STAGES.index(stage)
-
-    def up(i: int, m: Message) -> Message:
-        stats.bytes_up[i] += wire_size(m)
-        if transcript is not None:
-            transcript.append(("up", i, m))
-        return m
-
-    def down(i: int, m: Message) -> Message:
-        stats.bytes_down[i] += wire_size(m)
-        if transcript is not None:
-            transcript.append(("down", i, m))
-        return m
-
-    def timed(stage: str, fn: Callable[[], Any]) -> Any:
-        start = time.perf_counter()
-        out = fn()
-        stats.client_seconds.setdefault(stage, []).append(time.perf_counter() - start)
-        return out
+    wire = _Wire(stats, drop_after, transcript)
+    takes_part, up, down, timed = wire.takes_part, wire.up, wire.down, wire.timed
 
     if params.signed and identities is None:
         raise ValueError("a signed protocol needs the clients' identity keys")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -78,22 +79,6 @@ def make_speaker_recon_update(
         raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 256")
     cache: OrderedDict[int, tuple[weakref.ref, dict[str, Tensor]]] = OrderedDict()
 
-    def broadcast(task: SpeakerReconTask, st: Params) -> dict[str, Tensor]:
-        assert public is not None
-        out: dict[str, Tensor] = {}
-        if centre_panel is None:
-            neg = public_prototypes(task, st, public)
-        else:
-            out[DOMAIN_CENTRE] = normalised_embeddings(task, st, centre_panel).mean(0)
-            neg = public_prototypes(task, st, public, centred=True)
-        if clusters is not None:
-            e = normalised_embeddings(task, st, clusters.panel)
-            if DOMAIN_CENTRE in out:
-                e = F.normalize(e - out[DOMAIN_CENTRE], dim=-1)
-            neg = torch.cat([neg, domain_clusters(e, neg, clusters.k, clusters.min_size)])
-        out[NEGATIVES] = neg
-        return out
-
     def client_update(
         task: SpeakerReconTask,
         population: Population,
@@ -101,17 +86,7 @@ def make_speaker_recon_update(
         starts: list[Params],
         cfg: ClientConfig,
     ) -> ClientResults:
-        if not isinstance(task, SpeakerReconTask):
-            raise ConfigError(
-                "task", f"{type(task).__name__} is not a SpeakerReconTask", "use SpeakerReconTask"
-            )
-        slots = population.store.get("slot")
-        if slots is None or int(slots.max()) >= task.max_local:
-            raise ConfigError(
-                "population",
-                "no 'slot' field, or more local speakers than the task's max_local",
-                "build the population with speaker_population(..., max_local=task.max_local)",
-            )
+        _check_recon_inputs(task, population)
         if task.negatives != "public":
             return train_clients_recon(task, population, jobs, starts, cfg, recon)
         if public is None:
@@ -126,7 +101,8 @@ def make_speaker_recon_update(
                 first = next(iter(st.values()))
                 hit = cache.get(key)
                 if hit is None or hit[0]() is not first:
-                    hit = (weakref.ref(first), broadcast(task, st))
+                    extra = _version_broadcast(task, st, public, centre_panel, clusters)
+                    hit = (weakref.ref(first), extra)
                     cache[key] = hit
                     while len(cache) > cache_size:
                         cache.popitem(last=False)
@@ -139,3 +115,42 @@ def make_speaker_recon_update(
         return results
 
     return client_update
+
+
+def _check_recon_inputs(task: Any, population: Population) -> None:
+    """A reconstruction task and a population with a local-speaker slot per row."""
+    if not isinstance(task, SpeakerReconTask):
+        raise ConfigError(
+            "task", f"{type(task).__name__} is not a SpeakerReconTask", "use SpeakerReconTask"
+        )
+    slots = population.store.get("slot")
+    if slots is None or int(slots.max()) >= task.max_local:
+        raise ConfigError(
+            "population",
+            "no 'slot' field, or more local speakers than the task's max_local",
+            "build the population with speaker_population(..., max_local=task.max_local)",
+        )
+
+
+def _version_broadcast(
+    task: SpeakerReconTask,
+    st: Params,
+    public: PublicStore,
+    centre_panel: Tensor | None,
+    clusters: DomainClusters | None,
+) -> dict[str, Tensor]:
+    """What the server adds to one model version's broadcast: the public negatives (and
+    cluster centroids), and the domain centre when the loss is centred."""
+    out: dict[str, Tensor] = {}
+    if centre_panel is None:
+        neg = public_prototypes(task, st, public)
+    else:
+        out[DOMAIN_CENTRE] = normalised_embeddings(task, st, centre_panel).mean(0)
+        neg = public_prototypes(task, st, public, centred=True)
+    if clusters is not None:
+        e = normalised_embeddings(task, st, clusters.panel)
+        if DOMAIN_CENTRE in out:
+            e = F.normalize(e - out[DOMAIN_CENTRE], dim=-1)
+        neg = torch.cat([neg, domain_clusters(e, neg, clusters.k, clusters.min_size)])
+    out[NEGATIVES] = neg
+    return out
