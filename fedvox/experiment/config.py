@@ -424,6 +424,13 @@ class PrivacySection(_Strict):
     clip_lr: float = Field(0.2, gt=0, description="adaptive clipping η_C")
     count_noise_std: float = Field(0.0, ge=0, description="σ_b on the unclipped count")
     delta: float = Field(1e-5, gt=0, lt=1)
+    target_epsilon: float | None = Field(
+        None,
+        gt=0,
+        description="mechanism gaussian: refuse before training when the planned server_steps "
+        "would spend more ε (at delta) than this, naming the noise multiplier and the steps "
+        "that would fit",
+    )
     accounting: Literal["rdp", "pld"] = "rdp"
     secure_aggregation: bool = False
     secagg_threshold: float = Field(2 / 3, gt=0, le=1, description="fraction t/n to unmask")

@@ -7,6 +7,7 @@ accountant cannot back, and computes (ε, δ) from what the simulator has actual
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fedvox.errors import ConfigError
@@ -76,6 +77,8 @@ def build_privacy(f: FederatedSection, num_clients: int, seed: int) -> PrivacyPi
     weighting = f.weighting if f.algorithm == "fedavg" else "uniform"  # staleness weights ≤ 1
     if p.mechanism != "none":
         _add_dp(pipe, f, num_clients, cohort, weighting, seed)
+    if p.target_epsilon is not None:
+        check_target_epsilon(pipe, f.server_steps, p.target_epsilon, f.privacy.noise_multiplier)
     if p.secure_aggregation:
         pipe.summer = SecureSum(_secure_config(f, cohort, weighting, seed))
     return pipe
@@ -168,3 +171,47 @@ def _secure_config(f: FederatedSection, cohort: int, weighting: str, seed: int) 
     )
     config.check_capacity(cohort)
     return config
+
+
+def check_target_epsilon(
+    pipe: PrivacyPipeline, server_steps: int, target: float, noise_multiplier: float
+) -> None:
+    """Refuse a run whose planned steps would spend more than `target` ε, before training,
+    with the noise multiplier and the number of steps that would fit (fixed-size cohorts)."""
+    field_name = "federated.privacy.target_epsilon"
+    if pipe.mechanism != "gaussian" or pipe.noise_multiplier != noise_multiplier:
+        raise ConfigError(
+            field_name,
+            'is checked for mechanism = "gaussian" with a fixed clip only: DP-FTRL\'s ε depends '
+            "on the trees the run forms and adaptive clipping's on the count noise",
+            "remove target_epsilon (the run still reports its ε at every evaluation)",
+        )
+    planned = pipe.epsilon(server_steps)
+    assert planned is not None
+    if planned <= target:
+        return
+
+    def eps(z: float, steps: int) -> float:
+        acc = PrivacyAccountant(pipe.accounting)
+        acc.sampled_without_replacement(pipe.cohort, pipe.num_clients, z, steps=steps)
+        return acc.epsilon(pipe.delta)
+
+    lo, hi = noise_multiplier, noise_multiplier
+    while eps(hi, server_steps) > target and hi < 1e4:
+        lo, hi = hi, hi * 2
+    while hi - lo > 0.005 * hi:  # ε falls as z grows: the smallest z within target, ±0.5 %
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if eps(mid, server_steps) <= target else (mid, hi)
+    fits, over = 0, server_steps  # ε grows with the steps: the most steps within target
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if eps(noise_multiplier, mid) <= target else (fits, mid)
+    raise ConfigError(
+        field_name,
+        f"{target:g}, but {server_steps} server steps of {pipe.cohort} clients drawn from "
+        f"{pipe.num_clients} with noise_multiplier {noise_multiplier:g} spend ε = {planned:.3g} "
+        f"at δ = {pipe.delta:g}",
+        f"raise noise_multiplier to {math.ceil(hi * 100) / 100:g} or more, "
+        + (f"or lower server_steps to {fits}, " if fits else "(one step alone overspends) ")
+        + "or train with more clients",
+    )
