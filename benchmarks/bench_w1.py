@@ -36,6 +36,7 @@ from floor import (
     keep_memory_if_asked,
     matmul_rate,
     median_rounds,
+    ray_update,
     report,
     train_flops,
 )
@@ -133,7 +134,9 @@ def run_plain(threads: int, cohort: int, norm: str) -> None:
     )
 
 
-def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str) -> None:
+def run(
+    threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: str, ray: int = 0
+) -> None:
     torch.set_num_threads(threads)
     task, pop = build(norm)
     flops = train_flops(
@@ -161,11 +164,12 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
         ),
         SimulatorConfig(concurrency=cohort, delay=DelayModel("constant"), seed=0),
         callback=on_record,
+        client_update=ray_update(pop, ray),
     )
     sim.run(max_server_steps=ROUNDS)
     auto = auto_chunk(task.init_params(), cohort)  # 1: big clients run one at a time
     mode = f"vectorised chunk={chunk or f'auto={auto}'}" if vectorised else "loop"
-    mode += f" norm={norm}"
+    mode += f" norm={norm}" + (f" on {ray} Ray workers x 1 thread" if ray else "")
     report(
         f"W1 threads={threads} cohort={cohort} {mode}", median_rounds(stamps), flops, rate, losses
     )
@@ -174,6 +178,9 @@ def run(threads: int, vectorised: bool, chunk: int | None, cohort: int, norm: st
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--ray", type=int, default=0, help="train clients on N Ray workers x 1 thread (0: here)"
+    )
     ap.add_argument("--loop", action="store_true", help="the engine's per-client loop")
     ap.add_argument(
         "--plain", action="store_true", help="reference: a plain PyTorch loop, no engine"
@@ -197,7 +204,7 @@ def main() -> None:
         if args.plain:
             run_plain(args.threads, args.cohort, args.norm)
         else:
-            run(args.threads, not args.loop, args.chunk, args.cohort, args.norm)
+            run(args.threads, not args.loop, args.chunk, args.cohort, args.norm, args.ray)
         return
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--cohort", str(args.cohort)]

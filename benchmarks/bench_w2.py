@@ -30,6 +30,7 @@ from floor import (
     keep_memory_if_asked,
     matmul_rate,
     median_rounds,
+    ray_update,
     report,
     train_flops,
 )
@@ -67,7 +68,9 @@ def build() -> tuple[ModuleTask, Population]:
     return task, Population(store, list(idx), seed=0)
 
 
-def run(threads: int, vectorised: bool, chunk: int | None, lowrank: bool | None) -> None:
+def run(
+    threads: int, vectorised: bool, chunk: int | None, lowrank: bool | None, ray: int = 0
+) -> None:
     torch.set_num_threads(threads)
     task, pop = build()
     fwd = forward_flops(lambda: task.loss(task.init_params(), pop.gather(np.arange(BATCH))))
@@ -95,16 +98,21 @@ def run(threads: int, vectorised: bool, chunk: int | None, lowrank: bool | None)
         client,
         SimulatorConfig(concurrency=COHORT, delay=DelayModel("constant"), seed=0),
         callback=on_record,
+        client_update=ray_update(pop, ray),
     )
     sim.run(max_server_steps=ROUNDS)
     path = {None: "auto", True: "on", False: "off"}[lowrank]
     mode = f"vectorised chunk={chunk or 'auto'} lowrank={path}" if vectorised else "loop"
+    mode += f" on {ray} Ray workers x 1 thread" if ray else ""
     report(f"W2 threads={threads} {mode}", median_rounds(stamps), flops, rate, losses)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument(
+        "--ray", type=int, default=0, help="train clients on N Ray workers x 1 thread (0: here)"
+    )
     ap.add_argument("--loop", action="store_true", help="reference per-client loop")
     ap.add_argument("--chunk", type=int, default=None, help="clients per vectorised call")
     ap.add_argument("--lowrank", choices=("auto", "on", "off"), default="auto")
@@ -115,7 +123,7 @@ def main() -> None:
     if args.threads is not None:
         keep_memory_if_asked(args.keep_memory)
         lowrank = {"auto": None, "on": True, "off": False}[args.lowrank]
-        run(args.threads, not args.loop, args.chunk, lowrank)
+        run(args.threads, not args.loop, args.chunk, lowrank, args.ray)
         return
     for threads in (1, 2):
         cmd = [sys.executable, __file__, "--threads", str(threads), "--lowrank", args.lowrank]

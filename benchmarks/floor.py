@@ -13,6 +13,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -104,3 +105,15 @@ def keep_memory_if_asked(enabled: bool) -> None:
     """The benchmarks' --keep-memory flag: apply keep_freed_memory() and say so."""
     if enabled:
         print(f"malloc keeps freed memory: {keep_freed_memory()} (--keep-memory)", flush=True)
+
+
+def ray_update(population: Any, workers: int) -> Any:
+    """The Simulator's client update: None (in process) for `workers` = 0, else fedvox's Ray
+    backend of `workers` actors × 1 thread over the plain update (W1/W2 `--ray N`)."""
+    if workers <= 0:
+        return None
+    from fedvox.fl.simulator import plain_client_update
+    from fedvox.scale.actors import RayBackend
+    from fedvox.scale.config import BackendConfig
+
+    return RayBackend(plain_client_update, population, BackendConfig(kind="ray", workers=workers))
