@@ -40,7 +40,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -348,6 +348,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prep_s = time.perf_counter() - t
     setup = build_setup(cfg, data)
     sim, task = setup.simulator, setup.task
+    if args.chunk is not None:  # clients per vectorised call (1: one at a time, no vmap)
+        sim.client = replace(sim.client, chunk_size=args.chunk)
     _set_margin(task, margin_schedule(0.0, cfg.model.margin, *cfg.model.margin_ramp))
     n_params = sum(v.numel() for v in sim.params.values())
     m = measure_trips(setup, args.rounds, args.warmup, args.profile_rounds)
@@ -434,6 +436,9 @@ def main() -> None:
     ap.add_argument("--cache-dir", default=None, help="data.cache_dir (default: the config's)")
     ap.add_argument(
         "--threads", type=int, default=None, help="train.threads (default: the arm's, 1)"
+    )
+    ap.add_argument(
+        "--chunk", type=int, default=None, help="clients per vectorised call (1: a loop)"
     )
     ap.add_argument("--rounds", type=int, default=3, help="timed server steps")
     ap.add_argument("--warmup", type=int, default=1, help="server steps before timing")

@@ -716,6 +716,11 @@ class FederatedSection(_Strict):
     local_batch_size: int = Field(16, ge=1)
     local_lr: float = Field(0.05, gt=0)
     mu: float = Field(0.0, ge=0, description="FedProx proximal weight")
+    pack_clients: bool = Field(
+        False,
+        description="vectorised calls group clients of similar size and skip finished ones "
+        "(much less padded work when device sizes vary; other float bits than unpacked)",
+    )
     weighting: Literal["examples", "uniform"] = Field(
         "examples", description="FedAvg: weight updates by examples, or each client once"
     )
@@ -770,6 +775,7 @@ class FederatedSection(_Strict):
                 batch_size=self.local_batch_size,
                 lr=self.local_lr,
                 mu=self.mu,
+                pack=self.pack_clients,
             )
 
     def simulator_config(self, seed: int, once_per_epoch: bool = False) -> SimulatorConfig:
@@ -902,8 +908,8 @@ class ExperimentConfig(_Strict):
 
         Over what decides the bits: federated.backend (where client training runs: the same
         bits on any backend) is left out, and so are train.device when it is the default
-        "cpu" and train.workers when it is 1, so configs from before these fields keep their
-        hash."""
+        "cpu", train.workers when it is 1 and federated.pack_clients when false, so configs
+        from before these fields keep their hash."""
         d = self.to_dict()
         if d["train"].get("device") == "cpu":
             del d["train"]["device"]
@@ -911,6 +917,8 @@ class ExperimentConfig(_Strict):
             del d["train"]["workers"]
         if d.get("federated"):
             d["federated"].pop("backend", None)
+            if d["federated"].get("pack_clients") is False:
+                del d["federated"]["pack_clients"]
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -27,6 +27,9 @@ class ClientConfig:
     1, chosen for clients of SOLO_BYTES or more, trains them one at a time without vmap).
     lowrank: the exact low-rank path for tasks that declare it (fl.local.lowrank): None uses
     it where the model allows and it saves work, True requires it, False never uses it.
+    pack: vectorised calls take clients of similar size (largest first) and a step computes
+    only the clients that still have a batch, so little is padded; which clients share a call
+    changes, and with it the float bits (so it is a choice, off by default).
     """
 
     epochs: int = 1
@@ -37,6 +40,7 @@ class ClientConfig:
     vectorised: bool = True
     chunk_size: int | None = None
     lowrank: bool | None = None
+    pack: bool = False
     # Set by a backend that spreads one server step over workers (fedvox.scale): train only
     # the units (vectorised chunks, or single clients) whose FIRST job index lies in
     # [start, stop), cut exactly as the whole step would be; ClientResults.index then names

@@ -49,7 +49,11 @@ def reconstruct_stacked(
 ) -> Params:
     """Local params of k clients (stacked) after reconstruction on their `support` batches
     from stacked global `g` (untouched) and initial `local`."""
-    if recon.closed_form:
+    if recon.closed_form and cfg.pack:
+        # one client at a time, unpadded: a stacked call over k clients of up to m rows each
+        # streams k·m activations through memory (slower than k small calls) and pads them
+        local = _closed_form_each(task, population, support, g)
+    elif recon.closed_form:
         m = max(sum(len(r) for r in bl) for bl in support)
         rows, mask_t, _ = pad([[np.concatenate(bl)] for bl in support], m, device_of(g))
         data = population.gather(rows[:, 0])
@@ -62,6 +66,21 @@ def reconstruct_stacked(
     obj = objective(task.loss, replace(cfg, mu=0.0))
     sgd_vectorised(obj, local, local, g, data, mask_t, active, recon.lr)
     return local
+
+
+def _closed_form_each(
+    task: ReconTask, population: Population, support: list[list[np.ndarray]], g: Params
+) -> Params:
+    """Closed-form local params of k clients computed one by one (as reconstruct_one does),
+    stacked: g is stacked [k, ...] (a broadcast view when the clients share a version)."""
+    parts = []
+    for i, bl in enumerate(support):
+        rows = np.concatenate(bl)
+        ones = torch.ones(len(rows), device=device_of(g))
+        gi = {n: t[i] for n, t in g.items()}
+        with torch.no_grad():
+            parts.append(task.closed_form_local(gi, population.gather(rows), ones))  # type: ignore[attr-defined]
+    return {n: torch.stack([p[n] for p in parts]) for n in parts[0]}
 
 
 def reconstruct_one(

@@ -98,15 +98,21 @@ def sgd_vectorised(
     mask_t: Tensor,
     active: Tensor,
     lr: float,
+    skip_idle: bool = False,
 ) -> Tensor:
     """SGD of k stacked clients in place on `p`: one vmap(grad) per step over every client's
-    batch (data [k, steps, b, ...]); a padding step is multiplied by 0. Returns loss sums [k]."""
+    batch (data [k, steps, b, ...]); a padding step is multiplied by 0, or with `skip_idle`
+    only the clients with a batch at that step are computed. Returns loss sums [k]."""
     step_grad = vmap(grad(obj, has_aux=True))
     loss_sum = torch.zeros(mask_t.shape[0], device=mask_t.device)
     for s in range(mask_t.shape[1]):
+        on = active[:, s]
+        everyone = bool(on.all())
+        if skip_idle and not everyone:
+            _idle_skipping_step(step_grad, p, anchor, fixed, data, mask_t, on, s, lr, loss_sum)
+            continue
         g, total = step_grad(p, anchor, fixed, {n: t[:, s] for n, t in data.items()}, mask_t[:, s])
-        everyone = bool(active[:, s].all())
-        scale = lr * active[:, s]
+        scale = lr * on
         for n in p:
             # in place and fused: the stacked parameters are the memory traffic that matters
             if everyone:
@@ -115,6 +121,49 @@ def sgd_vectorised(
                 p[n].addcmul_(scale.view(-1, *([1] * (p[n].dim() - 1))), g[n], value=-1.0)
         loss_sum += total
     return loss_sum
+
+
+def _idle_skipping_step(
+    step_grad: Callable,
+    p: Params,
+    anchor: Params,
+    fixed: Params,
+    data: Batch,
+    mask_t: Tensor,
+    on: Tensor,
+    s: int,
+    lr: float,
+    loss_sum: Tensor,
+) -> None:
+    """Step s of sgd_vectorised for the active clients `on` only: views of a leading block
+    (clients packed largest first), else gathered rows written back."""
+    m = int(on.sum())
+    if m == 0:
+        return
+    if bool(on[:m].all()):  # a prefix: views, updated in place
+        pick = slice(0, m)
+        g, total = step_grad(
+            {n: t[pick] for n, t in p.items()},
+            {n: t[pick] for n, t in anchor.items()},
+            {n: t[pick] for n, t in fixed.items()},
+            {n: t[pick, s] for n, t in data.items()},
+            mask_t[pick, s],
+        )
+        for n in p:
+            p[n][pick].sub_(g[n], alpha=lr)
+        loss_sum[pick] += total
+        return
+    idx = on.nonzero().squeeze(1)
+    g, total = step_grad(
+        {n: t[idx] for n, t in p.items()},
+        {n: t[idx] for n, t in anchor.items()},
+        {n: t[idx] for n, t in fixed.items()},
+        {n: t[idx, s] for n, t in data.items()},
+        mask_t[idx, s],
+    )
+    for n in p:
+        p[n].index_add_(0, idx, g[n], alpha=-lr)
+    loss_sum.index_add_(0, idx, total)
 
 
 def sgd_step_(params: Params, objective: Tensor, lr: float) -> None:
@@ -163,6 +212,13 @@ Unit = list[int]
 def chunk_units(k: int, chunk: int) -> list[Unit]:
     """Consecutive chunks of `chunk` of k jobs (the last may be shorter)."""
     return [list(range(i, min(i + chunk, k))) for i in range(0, k, chunk)]
+
+
+def packed_units(sizes: Sequence[int], chunk: int) -> list[Unit]:
+    """Chunks of `chunk` job indices, largest `sizes` first (ties by job index): a vectorised
+    call then pads its clients to a similar number of steps and rows."""
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    return [order[i : i + chunk] for i in range(0, len(order), chunk)]
 
 
 def shard_units(units: list[Unit], shard: tuple[int, int] | None) -> list[Unit]:
@@ -223,7 +279,7 @@ def train_stacked(
     if joint:
         p.update(local)
         anchor, fixed = {**p0, **local}, {}
-    loss_sum = sgd_vectorised(obj, p, anchor, fixed, data, mask_t, active, cfg.lr)
+    loss_sum = sgd_vectorised(obj, p, anchor, fixed, data, mask_t, active, cfg.lr, cfg.pack)
     for n in p0:
         torch.sub(p0[n], p[n], out=out[n])
     return loss_sum

@@ -25,6 +25,7 @@ from fedvox.fl.local.steps import (
     device_of,
     fill_units,
     objective,
+    packed_units,
     shard_units,
     train_one,
     train_stacked,
@@ -67,7 +68,8 @@ def train_clients(
             return total.reshape(1)
 
     elif plan is None:
-        units = chunk_units(len(jobs), chunk)
+        sizes = [len(bl) for bl in batches]
+        units = packed_units(sizes, chunk) if cfg.pack else chunk_units(len(jobs), chunk)
 
         def train_unit(u: Unit, out: Params) -> Tensor:
             p0 = broadcast_view([starts[i] for i in u])
@@ -153,15 +155,20 @@ def train_clients_recon(
             return total.reshape(1)
 
     else:
-        units = chunk_units(k, chunk)
+        if cfg.pack:
+            units = packed_units([len(s.query) for s in splits], chunk)
+        else:
+            units = chunk_units(k, chunk)
 
         def train_unit(u: Unit, out: Params) -> Tensor:
-            i, j = u[0], u[-1] + 1
-            p0 = broadcast_view(starts[i:j])
-            part = {n: t[i:j] for n, t in local0.items()}
-            sup = [s.support for s in splits[i:j]]
+            p0 = broadcast_view([starts[i] for i in u])
+            if u == list(range(u[0], u[-1] + 1)):
+                part = {n: t[u[0] : u[-1] + 1] for n, t in local0.items()}
+            else:
+                part = {n: t[u] for n, t in local0.items()}
+            sup = [splits[i].support for i in u]
             local = reconstruct_stacked(task, population, sup, p0, part, cfg, recon)
-            qry = [s.query for s in splits[i:j]]
+            qry = [splits[i].query for i in u]
             return train_stacked(obj, population, qry, p0, local, cfg, out, joint=recon.joint)
 
     delta, loss_sum, index = fill_units(shard_units(units, cfg.shard), starts[0], train_unit)
