@@ -516,6 +516,144 @@ STUDIES: dict[str, Study] = {
 }
 
 
+# fedbuff-concurrency: FedAvgM, FedBuff and FedAsync from C = 10 to 1,000 on a world of
+# CONC_DEVICES devices (issue 15; the FedBuff paper's Figure 1). Devices hold 3-12
+# recordings (log-uniform; phones that recorded a handful of utterances): the world's
+# 10,000 devices then fit in memory and a client trip costs ~0.1 s (docs/benchmarks.md).
+# Every arm fine-tunes the public model with local speakers (one local epoch, packed
+# cohorts). Budget: the base's server_steps / eval_every / checkpoint_every count CLIENT
+# TRIPS; each arm divides them by the updates a server step takes (C for FedAvg, K for
+# FedBuff, 1 for FedAsync), so --set federated.server_steps=N gives every arm N trips.
+CONC_DEVICES = 10_000
+CONC_TRIPS = 20_000
+CONC_EVALS = 20
+CONC_LEVELS = (10, 100, 1000)
+CONC_BUFFER = 10
+CONC_MOMENTUM = 0.9
+# FedAvgM's server lr, swept per concurrency (the study records every point; the line of
+# Figure 1 takes the best per C). With momentum 0.9 a step moves ~10x its lr.
+CONC_FEDAVGM_LRS = (0.0025, 0.005, 0.01)
+# FedBuff: plain server SGD at lr CONC_FEDBUFF_LR per K = 10 updates (FT_FEDBUFF's step per
+# update: 0.0025); the K sweep keeps that step per update (lr x K / 10).
+CONC_FEDBUFF_LR = 0.025
+# FedAsync: one update per step mixed in at CONC_ASYNC_ALPHA (the same step per update).
+CONC_ASYNC_ALPHA = 0.0025
+CONC_BASE: dict[str, Any] = {
+    **WORLD_BASE,
+    "data.world.train_devices": CONC_DEVICES,
+    "data.world.device_utts": [3, 12],
+    **LOCAL,
+    **FINE_TUNE,
+    "federated.local_epochs": 1,
+    "federated.local_batch_size": 8,
+    "federated.pack_clients": True,
+    "federated.delay": "half_normal",
+    "federated.reconstruction.split": "all",
+    "federated.reconstruction.public_speakers": 300,
+    "federated.server_steps": CONC_TRIPS,
+    "federated.eval_every": CONC_TRIPS // CONC_EVALS,
+    "federated.checkpoint_every": CONC_TRIPS // CONC_EVALS,
+    "train.steps": 2000,
+}
+
+
+def _trips_per_step(s: Mapping[str, Any]) -> int:
+    """Client updates one server step of the arm takes."""
+    algorithm = s["federated.algorithm"]
+    if algorithm == "fedavg":
+        return int(s["federated.concurrency"])
+    if algorithm == "fedbuff":
+        return int(s["federated.buffer_size"])
+    return 1
+
+
+def _trips_rule(key: str) -> Callable[[Mapping[str, Any]], int]:
+    """A count of client trips in the base (server_steps, eval_every...) as the arm's steps."""
+
+    def rule(s: Mapping[str, Any]) -> int:
+        return max(1, int(s[key]) // _trips_per_step(s))
+
+    return rule
+
+
+TRIPS_TO_STEPS = {
+    k: _trips_rule(k)
+    for k in ("federated.server_steps", "federated.eval_every", "federated.checkpoint_every")
+}
+
+
+def _conc_arm(algorithm: str, c: int, lr: float | None = None, k: int = CONC_BUFFER) -> Arm:
+    """One arm of fedbuff-concurrency: FedAvgM at server lr `lr`, FedBuff with buffer `k`, or
+    FedAsync, with C = `c` devices in flight."""
+    o: dict[str, Any] = {"federated.concurrency": c}
+    labels: dict[str, Any] = {"algorithm": algorithm, "concurrency": c}
+    if algorithm == "fedavgm":
+        assert lr is not None
+        name = f"fedavgm-c{c}-lr{lr:g}"
+        o |= {
+            "federated.algorithm": "fedavg",
+            "federated.server_momentum": CONC_MOMENTUM,
+            "federated.server_lr": lr,
+            "federated.server_final_lr": 0.4 * lr,
+        }
+        labels["server_lr"] = lr
+    elif algorithm == "fedbuff":
+        name = f"fedbuff-c{c}" + ("" if k == CONC_BUFFER else f"-k{k}")
+        lr = CONC_FEDBUFF_LR * k / CONC_BUFFER
+        o |= {
+            "federated.algorithm": "fedbuff",
+            "federated.buffer_size": k,
+            "federated.server_lr": lr,
+            "federated.server_final_lr": 0.4 * lr,
+        }
+        labels |= {"buffer": k, "server_lr": lr}
+    else:
+        name = f"fedasync-c{c}"
+        o |= {"federated.algorithm": "fedasync", "federated.async_alpha": CONC_ASYNC_ALPHA}
+        labels["server_lr"] = CONC_ASYNC_ALPHA
+    return Arm(name, o, _LOCAL_SEES, derived=TRIPS_TO_STEPS, labels=labels)
+
+
+CONC_ARMS = (
+    PUBLIC_ONLY,
+    POOLED_ORACLE,
+    *(
+        arm
+        for c in CONC_LEVELS
+        for arm in (
+            *(_conc_arm("fedavgm", c, lr) for lr in CONC_FEDAVGM_LRS),
+            _conc_arm("fedbuff", c),
+            _conc_arm("fedasync", c),
+        )
+    ),
+    *(_conc_arm("fedbuff", CONC_LEVELS[-1], k=k) for k in (1, 100)),
+)
+STUDIES["fedbuff-concurrency"] = Study(
+    name="fedbuff-concurrency",
+    title="FedBuff's concurrency claim: client trips to a common target EER for FedAvgM, "
+    "FedBuff (K = 10) and FedAsync at C = 10, 100 and 1,000 devices in flight",
+    base=CONC_BASE,
+    arms=CONC_ARMS,
+    table="concurrency",
+    references=("public-only", "pooled-oracle"),
+    notes=(
+        f"The two-domain world with {CONC_DEVICES:,} training devices (3-12 recordings "
+        "each), 200 held-out devices (the trials), 300 public speakers. Every federated arm "
+        "fine-tunes the public-only model with local speakers (one local epoch of SGD at lr "
+        f"0.01, batch 8) for {CONC_TRIPS:,} client trips, with half-normal trip delays (mean "
+        "60 virtual s). FedAvgM: server SGD with momentum 0.9, lr swept over "
+        f"{', '.join(f'{x:g}' for x in CONC_FEDAVGM_LRS)} per C (decaying to 0.4x); FedBuff: "
+        f"K = {CONC_BUFFER}, plain server SGD lr {CONC_FEDBUFF_LR:g} (x K / 10 in the K "
+        f"sweep); FedAsync: mixing weight {CONC_ASYNC_ALPHA:g}, sqrt staleness. Target: the "
+        "worst of the lines' best EERs (each line: FedBuff, FedAsync, and FedAvgM at its "
+        "best lr per C), so every line reaches it.",
+        "A quick look on a small world: --set data.world.train_devices=1000 --set "
+        "federated.server_steps=2000 --set federated.eval_every=200 --set "
+        "federated.checkpoint_every=200 (and --arm to pick arms).",
+    ),
+)
+
+
 ARM_REF = re.compile(r"\{arm:([^{}]+)\}")  # "{arm:NAME}": that arm's finished run folder
 
 
@@ -857,11 +995,108 @@ def _robustness_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def add_trips_to_target(rows: list[dict]) -> float | None:
+    """Give every federated row of fedbuff-concurrency its best EER and its client trips and
+    virtual hours to the common target; mark the rows on Figure 1's lines (FedBuff K = 10,
+    FedAsync, FedAvgM at its best lr per C). Returns the target: the worst of those lines'
+    best EERs (None without federated rows)."""
+    from fedvox.experiment.compare import load_curve, to_target
+
+    fed = [r for r in rows if r.get("algorithm") and r["trips"] is not None]
+    curves = {r["arm"]: load_curve(r["folder"]) for r in fed}
+    for r in fed:
+        r["best_eer"] = float(curves[r["arm"]].eer.min())
+    best_lr: dict[int, dict] = {}
+    for r in fed:
+        c = r["concurrency"]
+        if r["algorithm"] == "fedavgm" and (
+            c not in best_lr or r["best_eer"] < best_lr[c]["best_eer"]
+        ):
+            best_lr[c] = r
+    for r in fed:
+        r["on_line"] = (
+            r is best_lr.get(r["concurrency"])
+            or r["algorithm"] == "fedasync"
+            or (r["algorithm"] == "fedbuff" and r.get("buffer") == CONC_BUFFER)
+        )
+    line = [r for r in fed if r["on_line"]]
+    if not line:
+        return None
+    target = max(r["best_eer"] for r in line)
+    for r in fed:
+        r["target_eer"] = target
+        r["trips_to_target"], r["hours_to_target"] = to_target(curves[r["arm"]], target)
+    return target
+
+
+def _concurrency_table(rows: list[dict]) -> list[str]:
+    target = add_trips_to_target(rows)
+    out = [] if target is None else [f"Common target EER: **{100 * target:.2f}%**.", ""]
+    gap = any("gap_closed" in r for r in rows)
+    out += [
+        "| arm | algorithm | C | K | server lr | final EER | best EER |"
+        + (" gap closed |" if gap else "")
+        + " trips to target | virtual h to target | on Figure 1 |",
+        "|---|---|---|---|---|---|---|" + ("---|" if gap else "") + "---|---|---|",
+    ]
+    for r in rows:
+        best = r.get("best_eer")
+        gap_cell = f" {_num(r.get('gap_closed'), '.2f')} |" if gap else ""
+        trips = r.get("trips_to_target")
+        out.append(
+            f"| {r['arm']} | {r.get('algorithm', 'centralised')} | {r.get('concurrency', '—')} "
+            f"| {r.get('buffer', '—')} | {_num(r.get('server_lr'), 'g')} "
+            f"| {100 * r['eer']:.2f}% | {_num(None if best is None else 100 * best, '.2f')}"
+            f"{'' if best is None else '%'} |{gap_cell} {_num(trips, ',.0f')} "
+            f"| {_num(r.get('hours_to_target'), '.2f')} | {'yes' if r.get('on_line') else ''} |"
+        )
+    ratios = _fedbuff_ratios(rows)
+    if ratios:
+        out += ["", "FedAvgM (best lr) trips to target / FedBuff's, per C: " + ratios]
+    return out
+
+
+def _fedbuff_ratios(rows: list[dict]) -> str:
+    """ "C=10: 1.20x, ..." from the Figure-1 rows that reached the target."""
+    parts = []
+    for c in sorted({r["concurrency"] for r in rows if r.get("on_line")}):
+        at = {r["algorithm"]: r for r in rows if r.get("on_line") and r["concurrency"] == c}
+        avg, buff = at.get("fedavgm"), at.get("fedbuff")
+        if avg and buff and avg.get("trips_to_target") and buff.get("trips_to_target"):
+            parts.append(f"C={c}: {avg['trips_to_target'] / buff['trips_to_target']:.2f}x")
+    return ", ".join(parts)
+
+
+def _plot_concurrency(rows: list[dict], path: Path) -> Path:
+    """The FedBuff paper's Figure 1: client trips to the target against concurrency, one
+    line per algorithm (FedAvgM at its best lr per C)."""
+    fig = Figure(figsize=(6, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for algo, colour in (("fedavgm", "#1f77b4"), ("fedbuff", "#d62728"), ("fedasync", "#2ca02c")):
+        pts = sorted(
+            (r["concurrency"], r["trips_to_target"])
+            for r in rows
+            if r.get("on_line") and r["algorithm"] == algo and r.get("trips_to_target")
+        )
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colour, label=algo)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("concurrency C (devices training at once)")
+    ax.set_ylabel("client trips to the target EER")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+
+
 TABLES: dict[str, Callable[[list[dict]], list[str]]] = {
     "speakers": _speakers_table,
     "dp": _dp_table,
     "gain": _gain_table,
     "robustness": _robustness_table,
+    "concurrency": _concurrency_table,
 }
 
 
@@ -913,6 +1148,9 @@ def run_study(
     if study.table == "dp":
         _plot_dp(rows, out / "eer_vs_epsilon.png")
         lines += ["![EER vs ε](eer_vs_epsilon.png)", ""]
+    if study.table == "concurrency":
+        _plot_concurrency(rows, out / "trips_vs_concurrency.png")
+        lines += ["![client trips to target vs concurrency](trips_vs_concurrency.png)", ""]
     if refs is not None:
         public, oracle = (next(r for r in rows if r["arm"] == n) for n in refs)
         if oracle["eer"] >= public["eer"]:

@@ -1,0 +1,131 @@
+"""`fedvox repro fedbuff-concurrency`: one trip budget for every arm at every C, the common
+target, trips to it per line (FedAvgM at its best lr), and Figure 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_repro import TINY_WORLD
+from typer.testing import CliRunner
+
+from fedvox.cli import app
+from fedvox.experiment import compare
+from fedvox.experiment.repro import (
+    CONC_BUFFER,
+    CONC_DEVICES,
+    CONC_FEDAVGM_LRS,
+    CONC_LEVELS,
+    CONC_TRIPS,
+    STUDIES,
+    add_trips_to_target,
+    arm_config,
+)
+
+runner = CliRunner()
+STUDY = STUDIES["fedbuff-concurrency"]
+
+
+def _trips(cfg) -> int:
+    f = cfg.federated
+    per = {"fedavg": f.concurrency, "fedbuff": f.buffer_size, "fedasync": 1}[f.algorithm]
+    return f.server_steps * per
+
+
+@pytest.mark.parametrize("sets", [{}, {"federated.server_steps": 2000}])
+def test_every_arm_spends_the_same_client_trips(sets: dict) -> None:
+    cfgs = {a.name: arm_config(STUDY, a, sets) for a in STUDY.arms}
+    budget = sets.get("federated.server_steps", CONC_TRIPS)
+    fed = {n: c for n, c in cfgs.items() if c.federated is not None}
+    assert {n: _trips(c) for n, c in fed.items()} == dict.fromkeys(fed, budget)
+    assert len({c.data.world for c in cfgs.values()}) == 1
+    assert next(iter(cfgs.values())).data.world.train_devices == CONC_DEVICES
+    for c in fed.values():
+        f = c.federated
+        assert f.init_from == "{arm:public-only}" and f.speakers == "local" and f.pack_clients
+        assert f.local_epochs == 1 and f.delay == "half_normal"
+    # the grid the issue names: three algorithms at every C, FedAvgM's lr sweep, the K sweep
+    for c in CONC_LEVELS:
+        assert f"fedbuff-c{c}" in fed and f"fedasync-c{c}" in fed
+        lrs = {fed[f"fedavgm-c{c}-lr{lr:g}"].federated.server_lr for lr in CONC_FEDAVGM_LRS}
+        assert lrs == set(CONC_FEDAVGM_LRS)
+        assert fed[f"fedavgm-c{c}-lr{CONC_FEDAVGM_LRS[0]:g}"].federated.server_momentum > 0
+    ks = {c.federated.buffer_size for n, c in fed.items() if n.startswith("fedbuff-c1000")}
+    assert ks == {1, CONC_BUFFER, 100}
+
+
+def _curve(name: str, trips: list[float], eer: list[float]) -> compare.RunCurve:
+    t = np.asarray(trips, dtype=float)
+    return compare.RunCurve(name, Path(name), t, t / 100, np.asarray(eer), np.arange(len(t)))
+
+
+def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
+    curves = {
+        "avg-lo": _curve("avg-lo", [0, 100, 200, 300], [0.30, 0.28, 0.26, 0.25]),
+        "avg-hi": _curve("avg-hi", [0, 100, 200, 300], [0.30, 0.24, 0.22, 0.21]),  # best lr
+        "buff": _curve("buff", [0, 50, 100, 150], [0.30, 0.25, 0.23, 0.22]),
+        "async": _curve("async", [0, 100, 200, 300], [0.30, 0.27, 0.24, 0.23]),
+        "buff-k100": _curve("buff-k100", [0, 100, 200, 300], [0.30, 0.30, 0.29, 0.29]),
+    }
+    monkeypatch.setattr(compare, "load_curve", lambda folder: curves[str(folder)])
+
+    def row(arm: str, algorithm: str, **labels) -> dict:
+        return {"arm": arm, "folder": arm, "trips": 300, "algorithm": algorithm,
+                "concurrency": 100, "eer": 0.2, **labels}  # fmt: skip
+
+    rows = [
+        {"arm": "public-only", "folder": "p", "trips": None, "eer": 0.3},
+        row("avg-lo", "fedavgm", server_lr=0.1),
+        row("avg-hi", "fedavgm", server_lr=0.2),
+        row("buff", "fedbuff", buffer=CONC_BUFFER),
+        row("async", "fedasync"),
+        row("buff-k100", "fedbuff", buffer=100),
+    ]
+    target = add_trips_to_target(rows)
+    by = {r["arm"]: r for r in rows}
+    assert target == pytest.approx(0.23)  # the worst best EER of the three lines (FedAsync)
+    assert [n for n, r in by.items() if r.get("on_line")] == ["avg-hi", "buff", "async"]
+    assert by["avg-hi"]["trips_to_target"] == pytest.approx(100 + 100 * (0.24 - 0.23) / 0.02)
+    assert by["buff"]["trips_to_target"] == pytest.approx(100.0)
+    assert by["async"]["trips_to_target"] == pytest.approx(300.0)
+    assert by["buff-k100"]["trips_to_target"] is None  # never reached: reported, not a line
+    assert "trips_to_target" not in by["public-only"]
+
+
+def test_concurrency_study_end_to_end_on_a_tiny_world(tmp_path: Path) -> None:
+    out = tmp_path / "study"
+    sets = [
+        f'data.cache_dir="{tmp_path / "c"}"',
+        "data.workers=1",
+        *TINY_WORLD,
+        "data.world.train_devices=12",
+        "train.steps=4",
+        "train.batch_size=8",
+        "train.warmup_steps=1",
+        "eval.asnorm_top_n=4",
+        "eval.lda_dim=6",
+        "federated.server_steps=20",
+        "federated.eval_every=10",
+        "federated.checkpoint_every=10",
+        "federated.chunk_frames=60",
+        "federated.reconstruction.public_speakers=4",
+    ]
+    arms = ["fedavgm-c10-lr0.01", "fedbuff-c10", "fedasync-c10"]
+    args = ["repro", "fedbuff-concurrency", "--out", str(out), "-q"]
+    for s in sets:
+        args += ["--set", s]
+    for a in arms:
+        args += ["--arm", a]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = {r["arm"]: r for r in json.loads((out / "rows.json").read_text())}
+    assert set(rows) == {"public-only", *arms}  # the arms start from the public-only model
+    for a in arms:
+        assert rows[a]["trips"] == 20 and rows[a]["on_line"]
+        assert rows[a]["target_eer"] == max(rows[b]["best_eer"] for b in arms)
+        assert rows[a]["trips_to_target"] is not None  # the target is every line's reach
+    md = (out / "study.md").read_text()
+    assert "Common target EER" in md and "| trips to target |" in md
+    assert (out / "trips_vs_concurrency.png").stat().st_size > 0
