@@ -209,7 +209,11 @@ def _node_task(
 
 
 def _speaker_node(
-    cfg: ExperimentConfig, task: nn.Module, population: Population, client: int, update
+    cfg: ExperimentConfig,
+    task: nn.Module,
+    population: Population,
+    client: int,
+    update: ClientUpdate,
 ) -> SpeakerNode:
     """The node of `client` over `population`, with secure aggregation if the run uses it."""
     f = cfg.federated
