@@ -21,8 +21,18 @@ from test_speaker_recon import CHUNKS, RECON, make_task, one_speaker_population,
 
 from fedvox.deploy import ClientNode, DeployServer, ServerConfig
 from fedvox.deploy.flower import ARRAYS, client_app, server_app
-from fedvox.fl import ClientConfig, DelayModel, FedAvg, ServerAdam, Simulator, SimulatorConfig
+from fedvox.deploy.secagg import SecAggNode
+from fedvox.fl import (
+    ClientConfig,
+    DelayModel,
+    FedAvg,
+    ServerAdam,
+    ServerSGD,
+    Simulator,
+    SimulatorConfig,
+)
 from fedvox.fl.aggregation import Aggregator
+from fedvox.privacy.secagg import SecAggConfig
 from fedvox.records import TripRecord
 from fedvox.tasks.speakers import (
     DOMAIN_CENTRE,
@@ -87,7 +97,7 @@ def _simulate(sub: str) -> tuple[dict, int]:
     return sim.run(max_server_steps=STEPS), trips[0].bytes_down
 
 
-def _deploy(sub: str) -> tuple[DeployServer, RecordingGrid]:
+def _deploy(sub: str, algorithm=None, secure=None) -> tuple[DeployServer, RecordingGrid]:
     pop, public, task = one_speaker_population(N_CLIENTS), public_store(), make_task()
     computed: list[int] = []
 
@@ -97,15 +107,21 @@ def _deploy(sub: str) -> tuple[DeployServer, RecordingGrid]:
 
     server = DeployServer(
         task.init_params(),
-        FedAvg(ServerAdam(0.05)),
+        algorithm or FedAvg(ServerAdam(0.05)),
         Aggregator([], list(task.init_params())),
         ServerConfig(concurrency=6, seed=3),
         broadcast=broadcast,
+        secure=secure,
     )
     update = received_broadcast_update(RECON)
     nodes = client_app(
         lambda node_config, run_config: ClientNode(
-            task, pop, int(node_config["partition-id"]), CLIENT, update=update
+            task,
+            pop,
+            int(node_config["partition-id"]),
+            CLIENT,
+            update=update,
+            secure=None if secure is None else SecAggNode(secure),
         )
     )
     grid = RecordingGrid(nodes, N_CLIENTS)
@@ -145,3 +161,15 @@ def test_the_broadcast_is_counted_in_bytes_down_and_refused_when_missing() -> No
     update = received_broadcast_update(RECON)
     with pytest.raises(ConfigError, match="public_negatives"):
         update(task, pop, [(0, 0)], [task.init_params()], CLIENT)
+
+
+def test_secure_aggregation_of_local_speaker_updates_matches_the_plaintext_sum() -> None:
+    def algo():
+        return FedAvg(ServerSGD(1.0), weighting="uniform")
+
+    plain, _ = _deploy("plain", algo())
+    secure, grid = _deploy("plain", algo(), SecAggConfig(threshold=2 / 3))
+    assert [s.updates for s in secure.history] == [6] * STEPS
+    assert all(r == set() for r in grid.replied)  # the nodes held their updates back
+    for n, t in plain.params.items():
+        assert torch.allclose(secure.params[n], t, atol=1e-5), n
