@@ -611,11 +611,16 @@ def deploy_keys(
     out.print(f"wrote a CA, the SuperLink certificate and {nodes} node key pairs in {layout.root}")
 
 
-def _local_settings(nodes, insecure, keys, reply_timeout, timeout=3600.0):
+def _local_settings(nodes, insecure, keys, reply_timeout, timeout=3600.0, own_data=False):
     from fedvox.experiment.deployment import LocalSettings
 
     return LocalSettings(
-        nodes=nodes, insecure=insecure, keys=keys, reply_timeout=reply_timeout, timeout_s=timeout
+        nodes=nodes,
+        insecure=insecure,
+        keys=keys,
+        reply_timeout=reply_timeout,
+        timeout_s=timeout,
+        own_data=own_data,
     )
 
 
@@ -641,6 +646,14 @@ def deploy_prepare(
     reply_timeout: ReplyTimeoutOpt = None,
     sets: SetOpt = None,
     overwrite: Annotated[bool, typer.Option(help="Reuse an existing run folder.")] = False,
+    own_data: Annotated[
+        bool,
+        typer.Option(
+            "--own-data",
+            help="Nodes train on their own data folders (kaldi-dir/voxceleb-dir in their node "
+            'config; needs federated.speakers = "local" and --nodes): no shards are written.',
+        ),
+    ] = False,
 ) -> None:
     """Write a run folder, one data shard per node and the Flower app folder (no processes).
 
@@ -649,9 +662,12 @@ def deploy_prepare(
     from fedvox.experiment.deployment import prepare_deployed_run
 
     cfg = _config(config, sets)
-    settings = _local_settings(nodes, True, None, reply_timeout)
+    settings = _local_settings(nodes, True, None, reply_timeout, own_data=own_data)
     run, shards, _ = prepare_deployed_run(cfg, out_dir, settings, overwrite)
-    out.print(f"prepared {run.path}: {len(shards)} node shards in {shards[0].parent}")
+    if own_data:
+        out.print(f"prepared {run.path} for {nodes} nodes on their own data")
+    else:
+        out.print(f"prepared {run.path}: {len(shards)} node shards in {shards[0].parent}")
 
 
 @deploy_app.command("print-commands")
@@ -665,6 +681,13 @@ def deploy_print_commands(
     node_dir: Annotated[
         str, typer.Option(help="Folder on each node machine holding its files.")
     ] = "/opt/fedvox-node",
+    node_layout: Annotated[
+        str,
+        typer.Option(
+            help="Nodes on their own data (`prepare --own-data`): their folder NODE_DIR/data "
+            "is a Kaldi dir (kaldi) or a VoxCeleb tree (voxceleb)."
+        ),
+    ] = "kaldi",
     insecure: InsecureOpt = False,
 ) -> None:
     """Print the exact commands that run a prepared run on separate machines."""
@@ -677,8 +700,9 @@ def deploy_print_commands(
         raise FedvoxError(
             "--keys: missing. Fix: give the folder of `fedvox deploy keys`, or --insecure"
         )
+    layout_key = f"{node_layout}-dir"
     for line in print_commands(
-        RunFolder.open(run), host, port, None if insecure else keys, node_dir
+        RunFolder.open(run), host, port, None if insecure else keys, node_dir, layout_key
     ):
         print(line)
 

@@ -211,3 +211,44 @@ def test_ctrl_c_stops_every_process_deploy_local_started(tmp_path: Path) -> None
             proc.kill()
             proc.wait()
     assert _processes_naming(str(out.resolve())) == []
+
+
+def test_federated_reconstruction_with_a_node_on_its_own_kaldi_dir(tmp_path: Path) -> None:
+    # speakers = "local" through real SuperNodes: the public negatives ride in every TRAIN
+    # message; nodes 0 and 1 hold shards, node 2 its own Kaldi dir (features extracted there,
+    # its three speakers local); the server learns node 2's examples from its QUERY reply.
+    from tiny_corpus import write_kaldi_dir
+
+    from fedvox.data.corpus import load_kaldi_dir
+    from fedvox.experiment.node_data import own_population
+
+    keys = write_keys(tmp_path / "keys", ["localhost", "127.0.0.1"], NODES)
+    path = tmp_path / "recon.toml"
+    text = CFG.format(algorithm="fedavg", steps=1, cache=tmp_path / "cache")
+    text = text.replace("buffer_size = 1", 'speakers = "local"')
+    path.write_text(text + "[federated.reconstruction]\npublic_speakers = 4\n")
+    settings = LocalSettings(nodes=NODES, keys=keys.root, reply_timeout=300.0)
+    run, shards, _ = prepare_deployed_run(load_config(path), tmp_path / "run", settings)
+    own = write_kaldi_dir(tmp_path / "node-2" / "data", {"ann": 2, "ben": 2, "cat": 2})
+    own_config = {"kaldi-dir": str(own), "client": 2, "cache-dir": str(own.parent / "cache")}
+    with LocalFederation(tmp_path / "fed", keys) as fed:
+        fed.start_link()
+        for i in range(NODES):
+            fed.register(i)
+        for i in range(NODES):
+            fed.start_node(i, node_config(shards[i]) if i < 2 else own_config)
+        fed.submit(app_folder(run))
+        status = fed.wait(run, 900)
+    assert status["status"] == "completed", status
+    (step,) = read_run_log(run.metrics_path, (ServerStepRecord,))
+    assert step.updates == NODES
+    deployed = run.manifest()["deployed"]
+    assert deployed["bytes_down_per_trip"] == deployed["bytes_up_per_trip"] + 4 * 4 * 256
+    population, speakers = own_population(
+        run.config(), load_kaldi_dir(own), 2, NODES, own.parent / "cache"
+    )
+    assert speakers == 3
+    assert deployed["examples_per_client"][2] == population.num_examples(2)
+    assert any((own.parent / "cache" / "features").rglob("*.fvx"))
+    log = (tmp_path / "fed" / "logs" / "node-2.log").read_text(errors="replace")
+    assert "Receiving: train message" in log

@@ -55,7 +55,9 @@ class ClientNode:
         if request.values.get("secure"):
             if self.secure is None:
                 raise DeployError("asked to hold an update for secure aggregation without one")
-            self.secure.hold(request.group, {n: delta[n] for n in request.arrays})
+            # in request order; a broadcast beside the params (e.g. negatives) is not an update
+            held = {n: delta[n] for n in request.arrays if n in delta}
+            self.secure.hold(request.group, held)
             return self._reply(request, {}, values)
         return self._reply(request, delta, values)
 

@@ -109,6 +109,9 @@ class DeployServer:
     on_step: Callable[[StepLog], None] | None = None
     on_trip: Callable[[TripLog], None] | None = None
     secure: SecAggConfig | None = None  # sum updates by secure aggregation over messages
+    # what each model version's requests carry beside the params (Federated Reconstruction's
+    # public negatives under a reserved key): computed once per version, never aggregated
+    broadcast: Callable[[Params], Params] | None = None
 
     def __post_init__(self) -> None:
         self.rounds = None if self.secure is None else SecureRounds(self.secure, self._collect)
@@ -120,6 +123,8 @@ class DeployServer:
         self.selections = 0
         self.trips: dict[int, int] = {}  # trips started per client: keys the client's batches
         self.nodes: dict[int, int] = {}  # federation-wide client id -> node id
+        self.num_examples: dict[int, int] = {}  # client -> examples (its node's QUERY reply)
+        self._extra: tuple[int, Params] | None = None  # (version, its broadcast)
 
     def run(self, grid: Grid, steps: int) -> Params:
         """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
@@ -163,6 +168,11 @@ class DeployServer:
         ids = grid.push([Envelope(node, QUERY) for node in nodes])
         replies = self._collect(grid, ids, len(ids))
         self.nodes = {int(r.values["client"]): r.node for r in replies if r.kind != ERROR}
+        self.num_examples = {
+            int(r.values["client"]): int(r.values.get("num_examples", 0))
+            for r in replies
+            if r.kind != ERROR
+        }
         failed = [
             f"node {r.node}: {r.values.get('reason', '')}" for r in replies if r.kind == ERROR
         ]
@@ -308,11 +318,12 @@ class DeployServer:
     def _push(self, grid: Grid, clients: list[int]) -> list[str]:
         """Send the current global params to each client's node; the trip number the request
         carries is the one `_trip` opens next for that client."""
+        arrays = self.params if self.broadcast is None else {**self.params, **self._version()}
         requests = [
             Envelope(
                 self.nodes[c],
                 TRAIN,
-                self.params,
+                arrays,
                 {
                     "client": c,
                     "trip": self.trips.get(c, 0),
@@ -324,6 +335,13 @@ class DeployServer:
             for c in clients
         ]
         return grid.push(requests)
+
+    def _version(self) -> Params:
+        """The current version's broadcast, computed on its first request only."""
+        assert self.broadcast is not None
+        if self._extra is None or self._extra[0] != self.step:
+            self._extra = (self.step, self.broadcast(self.params))
+        return self._extra[1]
 
     def _wait(self, since: float) -> None:
         """Sleep one poll interval, or give up once nothing arrived for `reply_timeout`."""

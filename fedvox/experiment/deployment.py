@@ -30,11 +30,16 @@ from fedvox.deploy.secagg import SecAggNode
 from fedvox.deploy.server import StepLog, TripLog
 from fedvox.deploy.shard import load_shard, node_shard, save_shard, shard_population
 from fedvox.errors import ConfigError, FedvoxError
+from fedvox.experiment import node_data as nd
 from fedvox.experiment.config import ExperimentConfig, config_from_dict
+from fedvox.experiment.node_data import check_own_data, own_data_key
 from fedvox.experiment.runfolder import RunFolder, truncate_lines
+from fedvox.fl.population import Population
+from fedvox.fl.simulator import ClientUpdate, plain_client_update
 from fedvox.models.heads import margin_schedule
 from fedvox.privacy.secagg import SecAggConfig
 from fedvox.records import EvalRecord, ServerStepRecord, TripRecord, append_run_log
+from fedvox.tasks.speakers import SpeakerReconTask, received_broadcast_update
 
 STATUS_FILE = "deploy-status.json"  # written by the server process when the run ends
 ARRIVALS_FILE = "arrivals.jsonl"  # every trip's end as the deployed server saw it
@@ -51,10 +56,6 @@ def check_deployable(cfg: ExperimentConfig) -> None:
     if f is None:
         raise ConfigError("federated", "a deployed run needs a [federated] table", "add one")
     refusals = {
-        "federated.speakers": (
-            f.speakers == "local",
-            'Federated Reconstruction\'s public negatives are not shipped to nodes yet; use "global_head"',
-        ),
         "federated.privacy.secure_aggregation": (
             f.privacy.secure_aggregation
             and (f.algorithm != "fedavg" or f.privacy.mechanism != "none"),
@@ -117,18 +118,21 @@ class SpeakerNode(ClientNode):
 
 CONFIG_KEY = "fedvox-config"  # run-config key: the run's resolved config.toml, as text
 PARTITION_KEY = "partition-sha256"  # run-config key: which partition the shards must be of
+NODE_DATA_KEY = "node-data"  # run-config key: "shards" (prepared here) or "own" (on nodes)
+OWN_DATA = "own"
 
 
 def load_node(node_config: dict[str, Any], run_config: dict[str, Any]) -> SpeakerNode:
-    """A node from its node config (`shard`: the path of its data) and the run's config (the
-    experiment config travels with the run, so one SuperNode serves run after run)."""
-    from fedvox.experiment.federated import global_task
-
-    if "shard" not in node_config:
+    """A node from its node config (`shard`: the path of its shard; or its own data,
+    `kaldi-dir`/`voxceleb-dir` and `client`) and the run's config (the experiment config
+    travels with the run, so one SuperNode serves run after run)."""
+    own = own_data_key(node_config)
+    if own is None and "shard" not in node_config:
         raise ConfigError(
             "node-config.shard",
-            "missing",
-            "start the SuperNode with --node-config 'shard=\"/path/to/node-i.pt\"'",
+            "missing: the node config names no data",
+            "start the SuperNode with --node-config 'shard=\"/path/to/node-i.pt\"' (a shard "
+            "of `fedvox deploy prepare`) or 'kaldi-dir=\"/path/to/data\" client=i' (its own)",
         )
     if CONFIG_KEY not in run_config:
         raise ConfigError(f"run-config.{CONFIG_KEY}", "missing", "submit the run's app folder")
@@ -137,6 +141,8 @@ def load_node(node_config: dict[str, Any], run_config: dict[str, Any]) -> Speake
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"run-config.{CONFIG_KEY}", f"not TOML ({err})", "resubmit") from None
     check_deployable(cfg)
+    if own is not None:
+        return _own_data_node(cfg, own, node_config, run_config)
     path = Path(str(node_config["shard"]))
     shard = load_shard(path)
     meta = shard["meta"]
@@ -145,12 +151,75 @@ def load_node(node_config: dict[str, Any], run_config: dict[str, Any]) -> Speake
             f"{path} holds a shard of another partition than this run's; give the node the "
             "shard `fedvox deploy prepare` wrote for this run (same data, partition and seed)"
         )
-    task = global_task(cfg, int(meta["feat_dim"]), int(meta["n_speakers"]))
+    population = shard_population(shard)
+    max_local = meta.get("max_local")
+    task, update = _node_task(cfg, int(meta["feat_dim"]), int(meta["n_speakers"]), max_local)
+    return _speaker_node(cfg, task, population, int(shard["client"]), update)
+
+
+def _own_data_node(
+    cfg: ExperimentConfig, key: str, node_config: dict[str, Any], run_config: dict[str, Any]
+) -> SpeakerNode:
+    """A node on its own Kaldi dir or VoxCeleb folder: features extracted here with the run's
+    settings, its speakers local (Federated Reconstruction)."""
+    check_own_data(cfg)
+    want = run_config.get(nd.FEATURES_KEY)
+    if want is not None and want != nd.features_sha256(cfg):
+        raise ConfigError(
+            f"run-config.{nd.FEATURES_KEY}",
+            "the node's feature extraction differs from the server's (another fedvox version)",
+            "install the server's fedvox commit on the node",
+        )
+    client = nd.node_client(node_config)
+    rate = cfg.features.feature_config().fbank.sample_rate
+    corpus = nd.load_own_corpus(key, Path(str(node_config[key])), rate)
+    cache = nd.node_cache(key, node_config)
+    dim = run_config.get(nd.FEAT_DIM_KEY)
+    population, speakers = nd.own_population(
+        cfg,
+        corpus,
+        client,
+        int(run_config.get("nodes", 0)),
+        cache,
+        None if dim is None else int(dim),
+    )
+    feat_dim = int(population.store["x"].shape[-1])
+    task, update = _node_task(cfg, feat_dim, 0, speakers)
+    return _speaker_node(cfg, task, population, client, update)
+
+
+def _node_task(
+    cfg: ExperimentConfig, feat_dim: int, n_speakers: int, max_local: int | None
+) -> tuple[nn.Module, ClientUpdate]:
+    """A node's task and client update: with local speakers (Federated Reconstruction) the
+    prototype task trained against the negatives each request carries; else the global one."""
+    from fedvox.experiment.federated import global_task, recon_task
+
     f = cfg.federated
     assert f is not None
-    population = shard_population(shard)
+    if f.speakers != "local":
+        return global_task(cfg, feat_dim, n_speakers), plain_client_update
+    if max_local is None:
+        raise DeployError(
+            "the node's shard has no local-speaker slots (max_local); write the shards "
+            "again with `fedvox deploy prepare` for this config"
+        )
+    task = recon_task(cfg, feat_dim, int(max_local))
+    return task, received_broadcast_update(f.reconstruction.recon_config())
+
+
+def _speaker_node(
+    cfg: ExperimentConfig,
+    task: nn.Module,
+    population: Population,
+    client: int,
+    update: ClientUpdate,
+) -> SpeakerNode:
+    """The node of `client` over `population`, with secure aggregation if the run uses it."""
+    f = cfg.federated
+    assert f is not None
     secure = _secagg_config(cfg, population.num_clients)
-    node = SpeakerNode(task, population, int(shard["client"]), f.client_config(), cfg=cfg)
+    node = SpeakerNode(task, population, client, f.client_config(), update=update, cfg=cfg)
     node.secure = None if secure is None else SecAggNode(secure)  # secrets from the OS
     return node
 
@@ -189,6 +258,8 @@ def write_shards(run: RunFolder, cfg: ExperimentConfig, nodes: int | None) -> li
         "n_speakers": len(data.train_speakers()),
         "partition": sha256_file(run.path / PARTITION_FILE),
     }
+    if isinstance(setup.task, SpeakerReconTask):  # local speakers: the simulator's slots
+        meta["max_local"] = setup.task.max_local
     paths = []
     for c in range(n):
         shard = node_shard(population, c)
@@ -303,6 +374,8 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
 
     cfg = run.config()
     check_deployable(cfg)
+    if run_config.get(NODE_DATA_KEY) == OWN_DATA:  # nodes on their own data folders
+        check_own_data(cfg)
     f = cfg.federated
     assert f is not None
     set_determinism(cfg.train.threads)
@@ -324,6 +397,7 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
             wait_nodes_s=float(run_config.get("wait-nodes-s", 120)),
         ),
         secure=_secagg_config(cfg, sim.population.num_clients),
+        broadcast=setup.broadcast,
     )
     log = _RunLog(run, cfg, data, task, server, sim.bytes_down_per_trip, sim.bytes_up_per_trip)
     server.on_trip, server.on_step = log.on_trip, log.on_step
@@ -341,6 +415,7 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
             "seconds_per_step": round(seconds / max(server.step, 1), 3),
             "bytes_down_per_trip": log.down,
             "bytes_up_per_trip": log.up,
+            "examples_per_client": [server.num_examples[c] for c in sorted(server.num_examples)],
             "virtual_time_s": "wall-clock seconds since the server started",
         },
     )
@@ -362,6 +437,7 @@ class LocalSettings:
     reply_timeout: float | None = None  # a synchronous round's deadline; async patience
     wait_nodes_s: float = 120.0
     timeout_s: float = 3600.0
+    own_data: bool = False  # nodes train on their own data folders: no shards are written
 
 
 class LocalFederation:
@@ -483,17 +559,24 @@ def prepare_deployed_run(
     """The run folder, the node shards and the app folder; the keys given (checked), or with
     `loopback_keys` a fresh CA, certificate and node keys for 127.0.0.1 in the run folder."""
     check_deployable(cfg)
+    if settings.own_data:
+        check_own_data(cfg)
+        if settings.nodes is None or settings.nodes < 1:
+            raise ConfigError(
+                "--nodes", "missing: nodes on their own data", "say how many: --nodes N"
+            )
     run = RunFolder.create(out, cfg, overwrite=overwrite)
-    shards = write_shards(run, cfg, settings.nodes)
-    write_run_app(run, len(shards), settings)
+    shards = [] if settings.own_data else write_shards(run, cfg, settings.nodes)
+    n = len(shards) or int(settings.nodes or 0)
+    write_run_app(run, n, settings)
     keys = None
     if not settings.insecure:
         if settings.keys is not None:
             keys = KeyLayout(settings.keys)
-            keys.check(len(shards))
+            keys.check(n)
         elif loopback_keys:
             where = run.path / DEPLOY_DIR / "keys"
-            keys = write_keys(where, ["localhost", "127.0.0.1"], len(shards), overwrite)
+            keys = write_keys(where, ["localhost", "127.0.0.1"], n, overwrite)
     return run, shards, keys
 
 
@@ -518,15 +601,20 @@ def shards_of(run: RunFolder) -> list[Path]:
 def write_run_app(run: RunFolder, nodes: int, settings: LocalSettings) -> Path:
     """The Flower app folder of this run (its run config points the ServerApp at the run)."""
     timeout = settings.reply_timeout or 0.0
+    cfg = run.config()
     config: dict[str, Any] = {
         CONFIG_KEY: run.config_path.read_text(),
-        PARTITION_KEY: sha256_file(run.path / "partition.json"),
+        NODE_DATA_KEY: OWN_DATA if settings.own_data else "shards",
+        nd.FEATURES_KEY: nd.features_sha256(cfg),
+        nd.FEAT_DIM_KEY: cfg.features.num_mel_bins,
         "run-dir": str(run.path.resolve()),
         "nodes": nodes,
         "wait-nodes-s": settings.wait_nodes_s,
         "reply-timeout": timeout,
         "message-ttl": timeout,
     }
+    if not settings.own_data:
+        config[PARTITION_KEY] = sha256_file(run.path / "partition.json")
     return fc.write_app(app_folder(run), "fedvox-run", config)
 
 
@@ -540,6 +628,13 @@ def deploy_local(
 ) -> dict[str, Any]:
     """`fedvox deploy local`: a SuperLink and one SuperNode per client on loopback (TLS and
     node authentication unless insecure), the run to its end, every process stopped."""
+    if settings.own_data:
+        raise ConfigError(
+            "--own-data",
+            "`deploy local` starts every node here, from the shards it writes",
+            "use `fedvox deploy prepare --own-data` and `print-commands` for nodes on their "
+            "own machines",
+        )
     run, shards, keys = prepare_deployed_run(cfg, out, settings, overwrite, loopback_keys=True)
     t0 = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the federation too
@@ -584,17 +679,28 @@ def _run_local(
 
 
 def print_commands(
-    run: RunFolder, host: str, port: int, keys: Path | None, node_dir: str = "/opt/fedvox-node"
+    run: RunFolder,
+    host: str,
+    port: int,
+    keys: Path | None,
+    node_dir: str = "/opt/fedvox-node",
+    layout_key: str = "kaldi-dir",
 ) -> list[str]:
     """The commands that run a prepared run's federation on separate machines, in order,
     with the files each node machine needs (copied into `node_dir` there, an absolute path:
-    Flower's app processes do not share the shell's working folder)."""
+    Flower's app processes do not share the shell's working folder). With nodes on their
+    own data, each keeps its folder (`layout_key`: kaldi-dir or voxceleb-dir) in node_dir/data."""
     if not Path(node_dir).is_absolute():
         raise ConfigError("--node-dir", f"{node_dir!r} is relative", "give an absolute path")
-    shards = shards_of(run)
+    if layout_key not in nd.DATA_KEYS:
+        raise ConfigError("--node-layout", f"unknown {layout_key!r}", "use kaldi or voxceleb")
+    app_config = run_app_config(run)
+    own = app_config.get(NODE_DATA_KEY) == OWN_DATA
+    shards = [] if own else shards_of(run)
+    n = int(app_config.get("nodes", 0)) if own else len(shards)
     layout = None if keys is None else KeyLayout(keys)
     if layout is not None:
-        layout.check(len(shards))
+        layout.check(n)
     home = run.path.resolve() / DEPLOY_DIR / "flwr-home"
     fc.write_connection(home, fc.Link(host, port, layout))
     env = fc.shell([], fc.RUNTIME_ENV)
@@ -607,30 +713,62 @@ def print_commands(
     if layout is not None:
         lines.append("# 2. on the SuperLink machine: register each node's public key")
         lines += [
-            f"{flwr_env} {fc.shell(_bare(fc.register_argv(layout.node_pub(i))))}"
-            for i in range(len(shards))
+            f"{flwr_env} {fc.shell(_bare(fc.register_argv(layout.node_pub(i))))}" for i in range(n)
         ]
     lines.append("# 3. on each node machine (fedvox[deploy] installed there):")
-    for i, shard in enumerate(shards):
-        files = [shard]
-        there = {"shard": f"{node_dir}/{shard.name}"}
-        key = None
-        node_keys = None
-        if layout is not None:
-            files += [layout.ca_cert, layout.node_key(i)]
-            node_keys = KeyLayout(Path(node_dir))  # ca.pem sits in node_dir on a node
-            key = Path(node_dir) / layout.node_key(i).name
-        argv = fc.supernode_argv(fc.Link(host, port, node_keys), key, there, 9094)
-        lines += [
-            f"#    node {i}: copy {' '.join(str(p.resolve()) for p in files)} into {node_dir}/",
-            f"{env} {fc.shell(_bare(argv))}",
-        ]
+    for i in range(n):
+        data = None if own else shards[i]
+        lines += _node_lines(i, data, host, port, layout, node_dir, layout_key)
     lines += [
         "# 4. on the SuperLink machine, once the nodes are up: start the run",
         f"{flwr_env} {fc.shell(_bare(fc.run_argv(app_folder(run).resolve())))}",
         f"# the run folder {run.path.resolve()} fills as it trains; report.md at the end",
     ]
     return lines
+
+
+def _node_lines(
+    i: int,
+    shard: Path | None,
+    host: str,
+    port: int,
+    layout: KeyLayout | None,
+    node_dir: str,
+    layout_key: str,
+) -> list[str]:
+    """Node i's files to copy and its `flower-supernode` command: with its shard, or (shard
+    None) on its own data folder, which stays on the node."""
+    files = [] if shard is None else [shard]
+    if shard is not None:
+        there: dict[str, Any] = {"shard": f"{node_dir}/{shard.name}"}
+        keeps = ""
+    else:
+        data = f"{node_dir}/data"
+        there = {layout_key: data, nd.CLIENT_KEY: i, nd.CACHE_KEY: f"{node_dir}/cache"}
+        what = "a Kaldi dir: wav.scp, utt2spk" if layout_key == "kaldi-dir" else "VoxCeleb"
+        keeps = f"#    node {i}: keeps its own data in {data} ({what}); it never leaves the node"
+    key = None
+    node_keys = None
+    if layout is not None:
+        files += [layout.ca_cert, layout.node_key(i)]
+        node_keys = KeyLayout(Path(node_dir))  # ca.pem sits in node_dir on a node
+        key = Path(node_dir) / layout.node_key(i).name
+    argv = fc.supernode_argv(fc.Link(host, port, node_keys), key, there, 9094)
+    lines = [keeps] if keeps else []
+    if files:
+        copied = " ".join(str(p.resolve()) for p in files)
+        lines.append(f"#    node {i}: copy {copied} into {node_dir}/")
+    env = fc.shell([], fc.RUNTIME_ENV)
+    return [*lines, f"{env} {fc.shell(_bare(argv))}"]
+
+
+def run_app_config(run: RunFolder) -> dict[str, Any]:
+    """The run config of a prepared run's app folder (what `flwr run` submits)."""
+    path = app_folder(run) / "pyproject.toml"
+    try:
+        return dict(tomllib.loads(path.read_text())["tool"]["flwr"]["app"]["config"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return {}
 
 
 def _bare(argv: list[str]) -> list[str]:

@@ -9,6 +9,7 @@ Federated Reconstruction (local speaker parameters) removes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,10 +50,12 @@ from fedvox.tasks.speakers import (
     SpeakerTask,
     Spreadout,
     make_speaker_recon_update,
+    make_version_broadcast,
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
 from fedvox.training.chunks import chunk_store
+from fedvox.types import Params
 
 PARTITION_FILE = "partition.json"
 TRIPS_FILE = "trips.jsonl"
@@ -101,6 +104,9 @@ class FederatedSetup:
     backend: Any = None  # fedvox.scale's RayBackend when [federated.backend] kind = "ray"
     # a backdoor's impostor-vs-target (enroll, test) trials, scored at every evaluation
     backdoor_trials: list[tuple[str, str]] = field(default_factory=list)
+    # local speakers: what each model version's broadcast adds (public negatives, domain
+    # centre) as the server computes it; a deployed server ships it with every request
+    broadcast: Callable[[Params], dict[str, Tensor]] | None = None
 
 
 def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
@@ -122,8 +128,9 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     algorithm = build_algorithm(f)
     client_update = None
     extra_bytes_down = 0
+    broadcast = None
     if f.speakers == "local":
-        task, population, client_update, extra_bytes_down = _local_speakers(
+        task, population, client_update, extra_bytes_down, broadcast = _local_speakers(
             cfg, data, store, clients, crops
         )
     else:
@@ -154,6 +161,7 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
     if compress is not None:  # then compress it (and keep it within those bounds)
         stages.append(compress)
     setup = FederatedSetup(task, None, part, privacy, backend=backend, backdoor_trials=trials)  # type: ignore[arg-type]
+    setup.broadcast = broadcast
     with toml_paths(FEDERATED_PATHS):  # e.g. C larger than the population
         sim = Simulator(
             task,
@@ -280,28 +288,36 @@ def global_task(
     return task
 
 
+def recon_task(
+    cfg: ExperimentConfig, feat_dim: int, max_local: int, init: InitModel | None = None
+) -> SpeakerReconTask:
+    """The local-speaker task (extractor global, `max_local` prototype slots local, public
+    negatives): what the simulator trains and what a deployed node builds."""
+    return SpeakerReconTask(
+        build_federated_extractor(cfg, feat_dim, init),
+        scale=cfg.model.scale,
+        margin=0.0,
+        max_local=max_local,
+        negatives="public",
+    )
+
+
 def _local_speakers(
     cfg: ExperimentConfig,
     data: PreparedData,
     store: dict[str, Tensor],
     clients: list[np.ndarray],
     crops: dict[str, np.ndarray],
-) -> tuple[SpeakerReconTask, Population, object, int]:
+) -> tuple[SpeakerReconTask, Population, Any, int, Callable[[Params], dict[str, Tensor]]]:
     """Federated Reconstruction of speaker prototypes: task, population with local speaker
     slots, the client update (closed-form enrollment + the prepared public negatives), extra
-    bytes down."""
+    bytes down, and the server's per-version broadcast on its own."""
     f = cfg.federated
     assert f is not None
     r = f.reconstruction
     y = store["y"].numpy()
     max_local = max(len(np.unique(y[c])) for c in clients)
-    task = SpeakerReconTask(
-        build_federated_extractor(cfg, data.feat_dim, data.init),
-        scale=cfg.model.scale,
-        margin=0.0,
-        max_local=max_local,
-        negatives="public",
-    )
+    task = recon_task(cfg, data.feat_dim, max_local, data.init)
     population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
     public = data.public
     if public is None:
@@ -328,7 +344,8 @@ def _local_speakers(
     update = make_speaker_recon_update(
         public, r.recon_config(), centre_panel=panel, clusters=clusters
     )
-    return task, population, update, extra_down
+    broadcast = make_version_broadcast(task, public, centre_panel=panel, clusters=clusters)
+    return task, population, update, extra_down, broadcast
 
 
 def _set_margin(task: nn.Module, margin: float) -> None:

@@ -40,7 +40,11 @@ from fedvox.tasks.speakers.public import (
     with_negatives,
 )
 from fedvox.tasks.speakers.server_learning import ServerLearning
-from fedvox.tasks.speakers.update import make_speaker_recon_update
+from fedvox.tasks.speakers.update import (
+    make_speaker_recon_update,
+    make_version_broadcast,
+    received_broadcast_update,
+)
 
 __all__ = [
     "CLASS_VECTORS",
@@ -62,11 +66,13 @@ __all__ = [
     "enrollment_prototypes",
     "extractor_params",
     "make_speaker_recon_update",
+    "make_version_broadcast",
     "normalised_embeddings",
     "public_prototypes",
     "public_speaker_store",
     "public_store_from_features",
     "public_synthetic_config",
+    "received_broadcast_update",
     "score_prototypes",
     "speaker_population",
     "speaker_separation",

@@ -1,7 +1,8 @@
 """The client update of the local-prototype task: the server's public negatives, per version.
 
 Part of fedvox.tasks.speakers: wraps fl's Federated Reconstruction client update so each
-start version travels with its public prototypes (memoised per version).
+start version travels with its public prototypes (memoised per version). A deployment splits
+it in two: the server's `make_version_broadcast` and the device's `received_broadcast_update`.
 """
 
 from __future__ import annotations
@@ -110,6 +111,50 @@ def make_speaker_recon_update(
                 merged[key] = {**st, **hit[1]}
             sent.append(merged[key])
         results = train_clients_recon(task, population, jobs, sent, cfg, recon)
+        for name in (NEGATIVES, DOMAIN_CENTRE):
+            results.delta.pop(name, None)
+        return results
+
+    return client_update
+
+
+def make_version_broadcast(
+    task: SpeakerReconTask,
+    public: PublicStore,
+    centre_panel: Tensor | None = None,
+    clusters: DomainClusters | None = None,
+) -> Callable[[Params], dict[str, Tensor]]:
+    """The server's half of make_speaker_recon_update: what one model version's broadcast
+    adds to the start params (NEGATIVES, and DOMAIN_CENTRE when centred), as it computes it."""
+    return lambda params: _version_broadcast(task, params, public, centre_panel, clusters)
+
+
+def received_broadcast_update(recon: ReconConfig) -> ClientUpdate:
+    """The device's half of make_speaker_recon_update: each start dict already carries the
+    server's broadcast (NEGATIVES, DOMAIN_CENTRE); they are used, never trained, and left
+    out of the delta, so only the extractor's update leaves the device."""
+    if not recon.closed_form:
+        raise ConfigError(
+            "reconstruction.closed_form",
+            "speaker prototypes are enrolled in closed form (the mean support embedding)",
+            "set closed_form = true (steps = 0, or a few refinement steps)",
+        )
+
+    def client_update(
+        task: SpeakerReconTask,
+        population: Population,
+        jobs: list[tuple[int, int]],
+        starts: list[Params],
+        cfg: ClientConfig,
+    ) -> ClientResults:
+        _check_recon_inputs(task, population)
+        if task.negatives == "public" and any(NEGATIVES not in st for st in starts):
+            raise ConfigError(
+                "client_update",
+                f"no public negatives ({NEGATIVES!r}) came with the start params",
+                "the server must broadcast them (DeployServer's `broadcast`)",
+            )
+        results = train_clients_recon(task, population, jobs, starts, cfg, recon)
         for name in (NEGATIVES, DOMAIN_CENTRE):
             results.delta.pop(name, None)
         return results
