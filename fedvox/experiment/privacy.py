@@ -8,6 +8,7 @@ accountant cannot back, and computes (ε, δ) from what the simulator has actual
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fedvox.errors import ConfigError
@@ -173,6 +174,49 @@ def _secure_config(f: FederatedSection, cohort: int, weighting: str, seed: int) 
     return config
 
 
+def least_noise_multiplier(
+    epsilon_of: Callable[[float], float], target: float, start: float = 0.5
+) -> float:
+    """The smallest noise multiplier z (within +0.5 %) with epsilon_of(z) <= target; ε falls
+    as z grows. Refuses a target no z up to 1e4 reaches."""
+    lo = hi = start
+    while epsilon_of(hi) > target:
+        if hi >= 1e4:
+            raise ConfigError("target ε", f"{target:g} is out of reach", "raise the target")
+        lo, hi = hi, hi * 2
+    if lo == hi:  # the start already fits: halve until it does not
+        lo = hi / 2
+        while epsilon_of(lo) <= target:
+            lo, hi = lo / 2, lo
+    while hi - lo > 0.005 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if epsilon_of(mid) <= target else (mid, hi)
+    return hi
+
+
+def planned_epsilon(
+    mechanism: str,
+    delta: float,
+    noise_multiplier: float,
+    server_steps: int,
+    cohort: int,
+    num_clients: int,
+) -> float:
+    """ε a run plans to spend: Gaussian DP over fixed-size cohorts of `cohort` of
+    `num_clients` drawn without replacement, or DP-FTRL whose trees are epochs of the
+    population (num_clients / cohort steps each, cohort = FedBuff's K)."""
+    acc = PrivacyAccountant("rdp")
+    if mechanism == "gaussian":
+        acc.sampled_without_replacement(cohort, num_clients, noise_multiplier, steps=server_steps)
+    elif mechanism == "dp_ftrl":
+        per_tree = max(1, num_clients // cohort)
+        counts = [per_tree] * (server_steps // per_tree) + [server_steps % per_tree]
+        acc.trees(noise_multiplier, counts)
+    else:
+        raise ConfigError("federated.privacy.mechanism", f"no ε for {mechanism!r}", "use DP")
+    return float(acc.epsilon(delta))
+
+
 def check_target_epsilon(
     pipe: PrivacyPipeline, server_steps: int, target: float, noise_multiplier: float
 ) -> None:
@@ -196,12 +240,7 @@ def check_target_epsilon(
         acc.sampled_without_replacement(pipe.cohort, pipe.num_clients, z, steps=steps)
         return acc.epsilon(pipe.delta)
 
-    lo, hi = noise_multiplier, noise_multiplier
-    while eps(hi, server_steps) > target and hi < 1e4:
-        lo, hi = hi, hi * 2
-    while hi - lo > 0.005 * hi:  # ε falls as z grows: the smallest z within target, ±0.5 %
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if eps(mid, server_steps) <= target else (mid, hi)
+    hi = least_noise_multiplier(lambda z: eps(z, server_steps), target, noise_multiplier)
     fits, over = 0, server_steps  # ε grows with the steps: the most steps within target
     while over - fits > 1:
         mid = (fits + over) // 2

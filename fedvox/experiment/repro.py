@@ -654,6 +654,101 @@ STUDIES["fedbuff-concurrency"] = Study(
 )
 
 
+# dp-scale: user-level DP where it means something (issue 15, item 3): the concurrency
+# study's world of CONC_DEVICES devices, FedAvg with Gaussian DP over fixed-size cohorts and
+# FedBuff with DP-FTRL, at ε ∈ DP_SCALE_EPSILONS (∞: no noise), δ = 1 / N^1.1. Every DP
+# arm's noise multiplier is the least that keeps its planned ε within the target
+# (experiment.privacy.planned_epsilon, ±0.5 %), computed from the arm's own settings, so a
+# --set of the world or the budget recalibrates it; FedAvg arms also set target_epsilon,
+# so the run itself refuses to overspend.
+DP_SCALE_EPSILONS = (8.0, 4.0)
+DP_SCALE_COHORT = 100
+DP_SCALE_BASE: dict[str, Any] = {
+    **CONC_BASE,
+    "federated.weighting": "uniform",
+    "federated.concurrency": DP_SCALE_COHORT,
+    "federated.privacy.clip_norm": 0.3,
+}
+
+
+def _dp_delta(s: Mapping[str, Any]) -> float:
+    """δ = 1 / N^1.1 for the arm's N training devices."""
+    return float(s["data.world.train_devices"]) ** -1.1
+
+
+def _least_z(mechanism: str, target: float) -> Callable[[Mapping[str, Any]], float]:
+    """The arm's noise multiplier: the least z whose planned ε (at the arm's δ, steps and
+    sampling) is within `target`, rounded up to 3 significant digits."""
+
+    def rule(s: Mapping[str, Any]) -> float:
+        from fedvox.experiment.privacy import least_noise_multiplier, planned_epsilon
+
+        n = int(s["data.world.train_devices"])
+        steps = max(1, int(s["federated.server_steps"]) // _trips_per_step(s))
+        cohort = _trips_per_step(s)
+        delta = _dp_delta(s)
+        z = least_noise_multiplier(
+            lambda z: planned_epsilon(mechanism, delta, z, steps, cohort, n), target
+        )
+        return float(f"{z * 1.001:.3g}") if z < 100 else math.ceil(z)
+
+    return rule
+
+
+def _dp_scale_arm(algorithm: str, epsilon: float | None) -> Arm:
+    """FedAvg (Gaussian, fixed-size cohorts) or FedBuff (DP-FTRL) at `epsilon` (None: no DP)."""
+    mechanism = "gaussian" if algorithm == "fedavg" else "dp_ftrl"
+    o: dict[str, Any] = {"federated.algorithm": algorithm}
+    if algorithm == "fedbuff":
+        o |= {
+            "federated.buffer_size": CONC_BUFFER,
+            "federated.server_lr": CONC_FEDBUFF_LR,
+            "federated.server_final_lr": 0.4 * CONC_FEDBUFF_LR,
+        }
+    derived: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+        **TRIPS_TO_STEPS,
+        "federated.privacy.delta": _dp_delta,
+    }
+    if epsilon is None:
+        return Arm(f"{algorithm}-nodp", o, _LOCAL_SEES, derived=derived)
+    o["federated.privacy.mechanism"] = mechanism
+    if mechanism == "gaussian":
+        o["federated.privacy.target_epsilon"] = epsilon
+    derived["federated.privacy.noise_multiplier"] = _least_z(mechanism, epsilon)
+    return Arm(
+        f"{algorithm}-{'gaussian' if mechanism == 'gaussian' else 'dpftrl'}-eps{epsilon:g}",
+        o,
+        _LOCAL_SEES + f" (clipped and noised: ε = {epsilon:g})",
+        derived=derived,
+    )
+
+
+STUDIES["dp-scale"] = Study(
+    name="dp-scale",
+    title="User-level DP at 10,000 devices: device EER and gap closed at ε = ∞, 8 and 4 for "
+    "FedAvg (Gaussian DP) and FedBuff (DP-FTRL)",
+    base=DP_SCALE_BASE,
+    arms=(
+        PUBLIC_ONLY,
+        POOLED_ORACLE,
+        *(_dp_scale_arm(a, e) for a in ("fedavg", "fedbuff") for e in (None, *DP_SCALE_EPSILONS)),
+    ),
+    table="dp",
+    references=("public-only", "pooled-oracle"),
+    notes=(
+        f"The fedbuff-concurrency world ({CONC_DEVICES:,} devices with 3-12 recordings), "
+        f"fine-tuning the public-only model with local speakers for {CONC_TRIPS:,} client "
+        f"trips. FedAvg: cohorts of {DP_SCALE_COHORT} drawn without replacement (RDP "
+        "accounting of fixed-size sampling, replace-one neighbours), server SGD; FedBuff: "
+        f"C = {DP_SCALE_COHORT}, K = {CONC_BUFFER}, DP-FTRL with each device at most once per "
+        "tree (an epoch of the population; the plan assumes trees of N / K steps, the run "
+        "reports the ε of the trees it formed). Clip norm 0.3 (fixed), δ = 1 / N^1.1, "
+        "uniform weighting. Noise multipliers: the least within each ε (see the arms' "
+        "config.toml).",
+    ),
+)
+
+
 ARM_REF = re.compile(r"\{arm:([^{}]+)\}")  # "{arm:NAME}": that arm's finished run folder
 
 
