@@ -1,0 +1,340 @@
+"""Checkpoint and resume of a deployed run, without a network (the fake Grid of
+test_deploy_flower): a server stopped after a checkpoint and resumed ends on the weights, the
+trips and the logs of an uninterrupted run, bit for bit; bad folders are refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+if os.environ.get("FEDVOX_REQUIRE_DEPLOY"):  # `make test` installs the deploy extra: no skip
+    import flwr  # noqa: F401
+else:  # a checkout without the `deploy` extra
+    pytest.importorskip("flwr")
+
+from flwr.app import Context, RecordDict
+from test_deploy_flower import CLIENT, SIZES, FakeGrid, _equal, _simulate, _task_identity  # noqa: F401
+from test_deploy_serve import NodeGrid
+from test_fl_toys import class_population, mlp_task
+from tiny_corpus import TINY_DATA, TINY_EVAL
+from typer.testing import CliRunner
+
+from fedvox.cli import app
+from fedvox.deploy import ClientNode, DeployServer, ServerConfig
+from fedvox.deploy.flower import client_app, server_app
+from fedvox.errors import ConfigError, DataError
+from fedvox.experiment.deployment import (
+    ARRIVALS_FILE,
+    CONFIG_KEY,
+    STATUS_FILE,
+    app_folder,
+    begin_resume,
+    load_resume_state,
+    shards_of,
+)
+from fedvox.experiment.runfolder import RunFolder
+from fedvox.fl import FedAvg, FedBuff, ServerAdam, ServerSGD
+from fedvox.fl.aggregation import Aggregator
+from fedvox.records import EvalRecord, ServerStepRecord, TripRecord, read_run_log
+
+
+class Crash(RuntimeError):
+    """The server process dying (raised from a hook once a checkpoint exists)."""
+
+
+def _server(algorithm, **cfg) -> DeployServer:
+    task = mlp_task()
+    return DeployServer(
+        task.init_params(),
+        algorithm,
+        Aggregator([], list(task.init_params())),
+        ServerConfig(**{"concurrency": 6, "seed": 3, **cfg}),
+    )
+
+
+def _run(server: DeployServer, steps: int, arrival, one_by_one: bool) -> None:
+    """`server` to `steps` through a ServerApp, a fresh ClientApp per node, the fake grid."""
+    task, population = mlp_task(), class_population(SIZES, seed=1)
+    clients = client_app(
+        lambda node_config, run_config: ClientNode(
+            task, population, int(node_config["partition-id"]), CLIENT
+        )
+    )
+    grid = FakeGrid(clients, len(SIZES), arrival, one_by_one)
+    app = server_app(lambda g, run_config: server.run(g, steps))
+    app(grid, Context(7, 1, {}, RecordDict(), {}))
+
+
+def _stopped_and_resumed(algo, steps: int, save_at: int, crash_at: int, arrival, one_by_one, **cfg):
+    """A server checkpointed at step `save_at` (state_dict through torch.save), killed at
+    `crash_at`, then a new server (new algorithm and aggregator) resumed from the bytes."""
+    saved: dict[str, bytes] = {}
+
+    def hook(server: DeployServer) -> None:
+        if server.step == save_at:
+            buf = io.BytesIO()
+            torch.save(server.state_dict(), buf)
+            saved["ckpt"] = buf.getvalue()
+        if server.step == crash_at:
+            raise Crash(f"killed after step {crash_at}")
+
+    first = _server(algo(), **cfg)
+    first.on_checkpoint = hook
+    with pytest.raises(Crash):
+        _run(first, steps, arrival, one_by_one)
+    state = torch.load(io.BytesIO(saved["ckpt"]), weights_only=False)
+    resumed = _server(algo(), **cfg)
+    resumed.load_state_dict(state)
+    _run(resumed, steps, arrival, one_by_one)
+    return state, resumed
+
+
+def _trips(server: DeployServer) -> list[dict]:
+    """The trip log without wall-clock times."""
+    return [
+        {k: v for k, v in dataclasses.asdict(t).items() if k not in ("sent", "ended")}
+        for t in server.trip_log
+    ]
+
+
+def _steps(server: DeployServer) -> list[tuple]:
+    return [(s.step, s.jobs, s.staleness, s.updates, s.loss) for s in server.history]
+
+
+def test_sync_fedavg_stopped_after_a_checkpoint_resumes_to_the_simulators_bits() -> None:
+    cfg = {"over_selection": 0.5, "dropout": 0.2}
+    want, arrival = _simulate(FedAvg(ServerAdam(0.05)), 5, **cfg)
+    assert None in arrival.values()  # some trip did drop out
+    whole = _server(FedAvg(ServerAdam(0.05)), over_selection=0.5)
+    _run(whole, 5, arrival, False)
+    assert _equal(whole.params, want)
+    state, resumed = _stopped_and_resumed(
+        lambda: FedAvg(ServerAdam(0.05)), 5, 2, 4, arrival, False, over_selection=0.5
+    )
+    assert state["step"] == 2 and state["in_flight"] == [] and state["pending"] == []
+    assert state["algorithm"]["server_opt"]["step"] == 2  # Adam's moments travel too
+    assert resumed.step == 5 and _equal(resumed.params, want)
+    assert _trips(resumed) == _trips(whole) and _steps(resumed) == _steps(whole)
+
+
+def test_fedbuff_resumed_with_its_trips_in_flight_reissued_equals_the_simulator() -> None:
+    def algo():
+        return FedBuff(3, ServerSGD(1.0, momentum=0.5), max_staleness=6)
+
+    want, arrival = _simulate(algo(), 6)
+    whole = _server(algo())
+    _run(whole, 6, arrival, True)
+    assert _equal(whole.params, want)
+    state, resumed = _stopped_and_resumed(algo, 6, 2, 4, arrival, True)
+    # at the checkpoint C - 1 trips were still training (the step's slot not yet refilled),
+    # each from the version it started on; the resumed server sends them again
+    assert len(state["in_flight"]) == 5 and state["pending"] == []
+    assert {t["version"] for t in state["in_flight"]} == set(state["versions"])
+    assert any(t["version"] < 2 for t in state["in_flight"])  # older versions kept
+    assert resumed.step == 6 and _equal(resumed.params, want)
+    assert any(tau > 0 for s in resumed.history for tau in s.staleness)
+    assert _trips(resumed) == _trips(whole) and _steps(resumed) == _steps(whole)
+
+
+# -- the ServerApp's body over a prepared run folder ------------------------------------
+
+CFG = (
+    'name = "resumed"\nseed = 0\n'
+    + TINY_DATA
+    + "[train]\nthreads = 1\n"
+    + TINY_EVAL
+    + """[federated]
+algorithm = "fedavg"
+server_optimizer = "adam"
+server_lr = 0.01
+concurrency = 3
+server_steps = 4
+eval_every = 2
+checkpoint_every = 2
+chunk_frames = 60
+local_batch_size = 4
+local_lr = 0.02
+[federated.partition]
+scheme = "dirichlet"
+n_clients = 3
+"""
+)
+
+
+class CrashGrid(NodeGrid):
+    """NodeGrid whose SuperLink goes away when the server pushes more than `trains` TRAIN
+    requests (None: never)."""
+
+    def __init__(self, client, shards, run_config, run_id, trains: int | None = None) -> None:
+        super().__init__(client, shards, run_config, run_id)
+        self.trains = trains
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        if self.trains is not None:
+            self.trains -= sum(m.metadata.message_type == "train" for m in messages)
+            if self.trains < 0:
+                raise Crash("the SuperLink went away")
+        return super().push_messages(messages)
+
+
+def _prepare(tmp: Path, name: str) -> tuple[RunFolder, dict]:
+    config = tmp / "resumed.toml"
+    config.write_text(CFG.format(cache=tmp / "cache"))
+    res = CliRunner().invoke(app, ["deploy", "prepare", str(config), "--out", str(tmp / name)])
+    assert res.exit_code == 0, res.output
+    run = RunFolder.open(tmp / name)
+    return run, _app_config(run)
+
+
+def _app_config(run: RunFolder) -> dict:
+    """The run config `flwr run` submits (the app folder's)."""
+    pyproject = tomllib.loads((app_folder(run) / "pyproject.toml").read_text())
+    return pyproject["tool"]["flwr"]["app"]["config"]
+
+
+def _serve(run: RunFolder, run_config: dict, run_id: int, trains: int | None = None) -> None:
+    from fedvox.experiment.flower_app import client, server
+
+    grid = CrashGrid(client, shards_of(run), run_config, run_id, trains)
+    server(grid, Context(run_id, 1, {}, RecordDict(), run_config))
+
+
+def _logs(run: RunFolder) -> dict[str, list]:
+    """Every log line of a run without its wall-clock times."""
+    clock = {"virtual_time_s", "time", "start_time", "sent", "ended"}
+
+    def strip(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in clock}
+
+    return {
+        "steps": [strip(vars(r)) for r in read_run_log(run.metrics_path, (ServerStepRecord,))],
+        "evals": [strip(vars(r)) for r in read_run_log(run.metrics_path, (EvalRecord,))],
+        "trips": [strip(vars(r)) for r in read_run_log(run.path / "trips.jsonl", (TripRecord,))],
+        "arrivals": [strip(json.loads(x)) for x in (run.path / ARRIVALS_FILE).open()],
+    }
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> dict[str, RunFolder]:
+    """One uninterrupted deployed run, and one killed in round 4 (after step 2's checkpoint,
+    step 3 logged) and resumed through the ServerApp with resume = true."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    tmp = tmp_path_factory.mktemp("resume")
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 7, 1  # as the runtime
+    try:
+        whole, run_config = _prepare(tmp, "whole")
+        _serve(whole, run_config, 31)
+        stopped, run_config = _prepare(tmp, "stopped")
+        with pytest.raises(Crash):
+            _serve(stopped, run_config, 32, trains=9)  # 3 rounds of 3 trips, then the crash
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+    assert "Crash" in json.loads((stopped.path / STATUS_FILE).read_text())["error"]
+    assert [s.step for s in read_run_log(stopped.metrics_path, (ServerStepRecord,))] == [1, 2, 3]
+    assert sorted(p.name for p in stopped.checkpoint_dir.glob("*.pt")) == ["ckpt-000000002.pt"]
+    return {"whole": whole, "stopped": stopped, "config": run_config, "tmp": tmp}
+
+
+def test_a_deployed_fedavg_run_killed_after_a_checkpoint_resumes_to_the_same_bits(served) -> None:
+    whole, stopped = served["whole"], served["stopped"]
+    resumed = tmp_copy(stopped, served["tmp"] / "resumed")
+    assert begin_resume(resumed) == 2  # notes the crash, clears the status
+    assert not (resumed.path / STATUS_FILE).exists()
+    assert resumed.manifest()["deploy_resumes"][0]["before"]["status"] == "failed"
+    # two rounds of 3 trips are left: a server that started over would be killed in round 3
+    _serve(resumed, dict(_app_config(resumed), resume=True), 33, trains=6)
+    status = json.loads((resumed.path / STATUS_FILE).read_text())
+    assert status == {**status, "status": "completed", "steps": 4}
+    assert resumed.manifest()["deployed"]["resumed_from_step"] == 2
+    summary = [json.loads((r.path / "metrics.json").read_text()) for r in (whole, resumed)]
+    assert summary[0]["weights_sha256"] == summary[1]["weights_sha256"]
+    assert summary[0]["backends"] == summary[1]["backends"]
+    got, want = _logs(resumed), _logs(whole)
+    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4]  # step 3 not logged twice
+    assert got == want
+    assert sorted(p.name for p in resumed.checkpoint_dir.glob("*.pt")) == [
+        "ckpt-000000002.pt",
+        "ckpt-000000004.pt",
+    ]
+    a, b = (
+        torch.load(r.checkpoint_dir / "ckpt-000000004.pt", weights_only=False)
+        for r in (whole, resumed)
+    )
+    assert _equal(a["deployed"]["params"], b["deployed"]["params"])
+    assert a["log_lines"] == b["log_lines"] and a["counts"] == b["counts"]
+
+
+def tmp_copy(run: RunFolder, to: Path) -> RunFolder:
+    """A copy of a run folder (the app folder's run-dir pointing at the copy)."""
+    import shutil
+
+    shutil.copytree(run.path, to)
+    app_toml = app_folder(RunFolder(to)) / "pyproject.toml"
+    app_toml.write_text(app_toml.read_text().replace(str(run.path.resolve()), str(to.resolve())))
+    return RunFolder(to)
+
+
+def _resume_cli(*args: str):
+    """`fedvox deploy resume ARGS`; the error it raised (None if it succeeded)."""
+    res = CliRunner().invoke(app, ["deploy", "resume", *args])
+    return res.exception, res.output
+
+
+def test_resuming_a_folder_that_cannot_resume_names_the_file_or_field(served, tmp_path) -> None:
+    stopped, whole = served["stopped"], served["whole"]
+    # a `fedvox train` folder: no Flower app folder; and `fedvox resume` of a deployed one
+    plain = RunFolder.create(tmp_path / "plain", stopped.config())
+    err, _ = _resume_cli(str(plain.path))
+    assert isinstance(err, DataError) and "pyproject.toml" in str(err)
+    assert "not a deployed run" in str(err) and "fedvox resume" in str(err)
+    res = CliRunner().invoke(app, ["resume", str(stopped.path)])
+    assert "fedvox deploy resume" in str(res.exception)
+    # no checkpoint (a torn one does not count)
+    none = tmp_copy(stopped, tmp_path / "none")
+    (none.checkpoint_dir / "ckpt-000000002.pt").write_bytes(b"torn")
+    with pytest.warns(UserWarning, match="torn or corrupt"):
+        err, _ = _resume_cli("--command-only", str(none.path))
+    assert isinstance(err, DataError) and str(none.checkpoint_dir) in str(err)
+    assert "checkpoint_every = 2" in str(err) and "--overwrite" in str(err)
+    # the config changed since the checkpoint: config.toml, or what the nodes would get
+    edited = tmp_copy(stopped, tmp_path / "edited")
+    edited.config_path.write_text(edited.config_path.read_text().replace("0.02", "0.03"))
+    err, _ = _resume_cli("--command-only", str(edited.path))
+    assert isinstance(err, ConfigError) and err.field == "federated.local_lr"
+    assert err.source == str(edited.config_path) and "0.03" in str(err) and "0.02" in str(err)
+    nodes = tmp_copy(stopped, tmp_path / "nodes")
+    app_toml = app_folder(nodes) / "pyproject.toml"
+    app_toml.write_text(app_toml.read_text().replace("local_lr = 0.02", "local_lr = 0.03"))
+    err, _ = _resume_cli("--command-only", str(nodes.path))
+    assert isinstance(err, ConfigError) and err.field == "federated.local_lr"
+    assert err.source == str(app_toml)
+    # the ServerApp checks the run config it is handed too, before preparing any data
+    run_config = dict(_app_config(nodes), resume=True)
+    with pytest.raises(ConfigError, match="local_lr"):
+        _serve(nodes, run_config, 34)
+    assert f"run-config.{CONFIG_KEY}" in json.loads((nodes.path / STATUS_FILE).read_text())["error"]
+    # a completed run has nothing to resume
+    err, _ = _resume_cli(str(whole.path))
+    assert "nothing to resume" in str(err) and "report.md" in str(err)
+    # nothing above touched the run it refused
+    assert not (stopped.path / "model.pt").exists()
+    assert load_resume_state(stopped)[0] == 2
+
+
+def test_resume_command_only_prints_the_flwr_run_with_resume_true(served, tmp_path) -> None:
+    copy = tmp_copy(served["stopped"], tmp_path / "copy")
+    err, output = _resume_cli("--command-only", str(copy.path))
+    assert err is None, output
+    assert "from its checkpoint of server step 2" in output
+    assert "flwr run" in output and "--run-config resume=true" in output
+    assert not (copy.path / STATUS_FILE).exists()  # cleared, so a waiting `local` sees the new one
