@@ -185,9 +185,9 @@ class CrashGrid(NodeGrid):
         return super().push_messages(messages)
 
 
-def _prepare(tmp: Path, name: str) -> tuple[RunFolder, dict]:
-    config = tmp / "resumed.toml"
-    config.write_text(CFG.format(cache=tmp / "cache"))
+def _prepare(tmp: Path, name: str, text: str = CFG) -> tuple[RunFolder, dict]:
+    config = tmp / f"{name}.toml"
+    config.write_text(text.format(cache=tmp / "cache"))
     res = CliRunner().invoke(app, ["deploy", "prepare", str(config), "--out", str(tmp / name)])
     assert res.exit_code == 0, res.output
     run = RunFolder.open(tmp / name)
@@ -200,10 +200,22 @@ def _app_config(run: RunFolder) -> dict:
     return pyproject["tool"]["flwr"]["app"]["config"]
 
 
-def _serve(run: RunFolder, run_config: dict, run_id: int, trains: int | None = None) -> None:
+class Order(dict):
+    """Replies in a fixed order of (client, trip), whatever was in flight when (FakeGrid's
+    `arrival`, replayed one at a time)."""
+
+    def get(self, key, default=None):
+        client, trip = key
+        return trip + 0.37 * ((2 * client + trip) % 3)
+
+
+def _serve(
+    run: RunFolder, run_config: dict, run_id: int, trains: int | None = None, order=None
+) -> None:
     from fedvox.experiment.flower_app import client, server
 
     grid = CrashGrid(client, shards_of(run), run_config, run_id, trains)
+    grid.arrival, grid.one_by_one = order, order is not None
     server(grid, Context(run_id, 1, {}, RecordDict(), run_config))
 
 
@@ -338,3 +350,81 @@ def test_resume_command_only_prints_the_flwr_run_with_resume_true(served, tmp_pa
     assert "from its checkpoint of server step 2" in output
     assert "flwr run" in output and "--run-config resume=true" in output
     assert not (copy.path / STATUS_FILE).exists()  # cleared, so a waiting `local` sees the new one
+
+
+def test_a_secure_aggregation_step_in_progress_is_abandoned_and_redone() -> None:
+    from test_deploy_secagg import SECAGG, DroppingGrid
+
+    from fedvox.deploy.secagg import MASKED, SecAggNode
+
+    task, population = mlp_task(), class_population(SIZES, seed=1)
+
+    class CrashingGrid(DroppingGrid):
+        """Dies when step 3's masked inputs are requested (keys and shares already sent)."""
+
+        def push_messages(self, messages):
+            messages = list(messages)
+            for m in messages:
+                values = m.content.config_records["values"]
+                if (values.get("secagg"), m.metadata.group_id) == (MASKED, "3") and self.crash:
+                    raise Crash("the server died mid-protocol")
+            return super().push_messages(messages)
+
+    def run(server: DeployServer, crash: bool) -> None:
+        def load(node_config, run_config):  # fresh secrets from the OS for every run
+            c = int(node_config["partition-id"])
+            return ClientNode(task, population, c, CLIENT, secure=SecAggNode(SECAGG))
+
+        grid = CrashingGrid(client_app(load), len(SIZES), set())
+        grid.crash = crash
+        app = server_app(lambda g, run_config: server.run(g, 4))
+        app(grid, Context(7, 1, {}, RecordDict(), {}))
+
+    def make() -> DeployServer:
+        s = _server(FedAvg(ServerSGD(1.0), weighting="uniform"))
+        return DeployServer(s.params, s.algorithm, s.aggregator, s.config, secure=SECAGG)
+
+    whole = make()
+    run(whole, crash=False)
+    saved = {}
+    first = make()
+    first.on_checkpoint = lambda s: saved.update(state=s.state_dict()) if s.step == 2 else None
+    with pytest.raises(Crash):
+        run(first, crash=True)
+    assert first.step == 2 and len(first.rounds.log) == 3  # step 3's protocol had begun
+    resumed = make()
+    resumed.load_state_dict(saved["state"])
+    assert resumed.rounds.sums.calls == 2  # the protocol's next session is step 3's again
+    run(resumed, crash=False)
+    assert resumed.step == 4 and [s.updates for s in resumed.history] == [6, 6, 6, 6]
+    # masks cancel: the same sums of the same updates, up to the quantisation (2^-22), whose
+    # stochastic rounding a node draws from the OS (so not even two whole runs share bits)
+    init = mlp_task().init_params()
+    for name, want in whole.params.items():
+        assert not torch.equal(want, init[name])
+        assert torch.allclose(resumed.params[name], want, rtol=0, atol=1e-5), name
+
+
+def test_a_deployed_fedbuff_run_resumes_with_its_trips_in_flight_sent_again(tmp_path) -> None:
+    text = CFG.replace('algorithm = "fedavg"', 'algorithm = "fedbuff"\nbuffer_size = 2')
+    whole, run_config = _prepare(tmp_path, "whole", text)
+    _serve(whole, run_config, 41, order=Order())
+    stopped, run_config = _prepare(tmp_path, "stopped", text)
+    with pytest.raises(Crash):  # 3 trips, then one per arrival: killed at the 7th arrival
+        _serve(stopped, run_config, 42, trains=9, order=Order())
+    assert [s.step for s in read_run_log(stopped.metrics_path, (ServerStepRecord,))] == [1, 2, 3]
+    ckpt = load_resume_state(stopped)[1]
+    in_flight = ckpt["deployed"]["in_flight"]
+    assert len(in_flight) == 2 and ckpt["counts"]["trips"] == 4  # the step's slot not refilled
+    # every trip started is counted once: re-sent trips keep their number (and bytes down)
+    begin_resume(stopped)
+    _serve(stopped, dict(run_config, resume=True), 43, order=Order())
+    got, want = _logs(stopped), _logs(whole)
+    assert [s["step"] for s in got["steps"]] == [1, 2, 3, 4]
+    assert any(tau > 0 for s in got["steps"] for tau in s["staleness"])
+    assert got == want
+    summary = [json.loads((r.path / "metrics.json").read_text()) for r in (whole, stopped)]
+    assert summary[0]["weights_sha256"] == summary[1]["weights_sha256"]
+    resent = {(t["client"], t["trip"]) for t in in_flight}
+    arrivals = [(a["client"], a["trip"]) for a in got["arrivals"]]
+    assert resent <= set(arrivals) and len(arrivals) == len(set(arrivals))  # each trip ends once
