@@ -752,12 +752,15 @@ def deploy_resume_cmd(
     """Continue a deployed run from its newest checkpoint (one every
     federated.checkpoint_every server steps).
 
-    Starts a SuperLink and a SuperNode per shard on loopback (as `deploy local`), then submits
-    the run with resume = true: the server loads the checkpoint, cuts metrics.jsonl,
-    trips.jsonl and arrivals.jsonl back to it, sends the trips that were in flight again and
-    trains to the end. Synchronous FedAvg ends on the bits of an uninterrupted run.
-    A step in progress (secure aggregation included) is redone. Refuses a folder that is not
-    a deployed run, has no checkpoint, completed, or whose config changed (naming the field).
+    Starts a SuperLink and a SuperNode per shard on loopback (as `deploy local`)
+    and submits the run again with resume = true: the server loads the
+    checkpoint, cuts metrics.jsonl, trips.jsonl and arrivals.jsonl back to it,
+    sends the trips that were in flight again and trains to the end.
+
+    Replies arriving in the same order, it ends on the bits of an uninterrupted
+    run. A step in progress (secure aggregation included) is redone. Refuses,
+    naming the file or field, a folder that is not a deployed run, has no
+    checkpoint, completed, or whose config changed.
     """
     from fedvox.experiment.deployment import resume_commands, resume_local
     from fedvox.experiment.runfolder import RunFolder
