@@ -408,7 +408,9 @@ def test_a_secure_aggregation_step_in_progress_is_abandoned_and_redone() -> None
 def test_a_deployed_fedbuff_run_resumes_with_its_trips_in_flight_sent_again(tmp_path) -> None:
     text = CFG.replace('algorithm = "fedavg"', 'algorithm = "fedbuff"\nbuffer_size = 2')
     whole, run_config = _prepare(tmp_path, "whole", text)
+    whole.save_checkpoint(9, {"deployed": {}})  # of an earlier attempt in this folder
     _serve(whole, run_config, 41, order=Order())
+    assert not (whole.checkpoint_dir / "ckpt-000000009.pt").exists()  # a fresh run drops it
     stopped, run_config = _prepare(tmp_path, "stopped", text)
     with pytest.raises(Crash):  # 3 trips, then one per arrival: killed at the 7th arrival
         _serve(stopped, run_config, 42, trains=9, order=Order())

@@ -334,6 +334,9 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
     if _flag(run_config.get(RESUME_KEY, False)):  # checked before any data is prepared
         found = load_resume_state(run)
         _check_node_config(run_config.get(CONFIG_KEY), cfg, f"run-config.{CONFIG_KEY}")
+    else:  # starting over: a checkpoint of an earlier attempt must not be resumed into this one
+        for old in run.checkpoint_dir.glob("ckpt-*"):
+            old.unlink()
     set_determinism(cfg.train.threads)
     data = prepare(cfg, progress=False)
     setup = build_setup(cfg, data)
@@ -862,6 +865,8 @@ def print_commands(
         "# 4. on the SuperLink machine, once the nodes are up: start the run",
         f"{flwr_env} {fc.shell(_bare(fc.run_argv(app_folder(run).resolve())))}",
         f"# the run folder {run.path.resolve()} fills as it trains; report.md at the end",
+        "# if the server dies: start the SuperLink and nodes again (2.-3.), then run what "
+        f"`fedvox deploy resume {run.path} --command-only` prints",
     ]
     return lines
 
