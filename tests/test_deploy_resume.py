@@ -49,12 +49,12 @@ class Crash(RuntimeError):
     """The server process dying (raised from a hook once a checkpoint exists)."""
 
 
-def _server(algorithm, **cfg) -> DeployServer:
+def _server(algorithm, aggregator: Aggregator | None = None, **cfg) -> DeployServer:
     task = mlp_task()
     return DeployServer(
         task.init_params(),
         algorithm,
-        Aggregator([], list(task.init_params())),
+        aggregator or Aggregator([], list(task.init_params())),
         ServerConfig(**{"concurrency": 6, "seed": 3, **cfg}),
     )
 
@@ -72,9 +72,11 @@ def _run(server: DeployServer, steps: int, arrival, one_by_one: bool) -> None:
     app(grid, Context(7, 1, {}, RecordDict(), {}))
 
 
-def _stopped_and_resumed(algo, steps: int, save_at: int, crash_at: int, arrival, one_by_one, **cfg):
+def _stopped_and_resumed(
+    algo, steps: int, save_at: int, crash_at: int, arrival, one_by_one, agg=lambda: None, **cfg
+):
     """A server checkpointed at step `save_at` (state_dict through torch.save), killed at
-    `crash_at`, then a new server (new algorithm and aggregator) resumed from the bytes."""
+    `crash_at`, then a new server (new algorithm and aggregator `agg()`) resumed from the bytes."""
     saved: dict[str, bytes] = {}
 
     def hook(server: DeployServer) -> None:
@@ -85,12 +87,12 @@ def _stopped_and_resumed(algo, steps: int, save_at: int, crash_at: int, arrival,
         if server.step == crash_at:
             raise Crash(f"killed after step {crash_at}")
 
-    first = _server(algo(), **cfg)
+    first = _server(algo(), agg(), **cfg)
     first.on_checkpoint = hook
     with pytest.raises(Crash):
         _run(first, steps, arrival, one_by_one)
     state = torch.load(io.BytesIO(saved["ckpt"]), weights_only=False)
-    resumed = _server(algo(), **cfg)
+    resumed = _server(algo(), agg(), **cfg)
     resumed.load_state_dict(state)
     _run(resumed, steps, arrival, one_by_one)
     return state, resumed
@@ -122,6 +124,24 @@ def test_sync_fedavg_stopped_after_a_checkpoint_resumes_to_the_simulators_bits()
     assert state["algorithm"]["server_opt"]["step"] == 2  # Adam's moments travel too
     assert resumed.step == 5 and _equal(resumed.params, want)
     assert _trips(resumed) == _trips(whole) and _steps(resumed) == _steps(whole)
+
+
+def test_dp_on_the_server_resumes_with_its_noise_stream_and_adaptive_clip() -> None:
+    from fedvox.privacy.dp import AdaptiveClip, GaussianNoise
+
+    def agg() -> Aggregator:
+        clip = AdaptiveClip(0.05, 0.5, count_noise_std=1.0, seed=2)
+        return Aggregator([clip], noise=[GaussianNoise(0.5, clip, seed=9)])
+
+    whole = _server(FedAvg(ServerSGD(1.0), weighting="uniform"), agg())
+    _run(whole, 4, None, False)
+    state, resumed = _stopped_and_resumed(
+        lambda: FedAvg(ServerSGD(1.0), weighting="uniform"), 4, 2, 3, None, False, agg=agg
+    )
+    assert state["aggregator"]["stages"]  # the clip's and the noise's state travel
+    assert _equal(resumed.params, whole.params)
+    clips = [s.agg["clip_norm"] for s in resumed.history]
+    assert clips == [s.agg["clip_norm"] for s in whole.history] and len(set(clips)) > 1
 
 
 def test_fedbuff_resumed_with_its_trips_in_flight_reissued_equals_the_simulator() -> None:
