@@ -255,9 +255,9 @@ def _logs(run: RunFolder) -> dict[str, list]:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> dict[str, RunFolder]:
+def served(tmp_path_factory) -> dict:
     """One uninterrupted deployed run, and one killed in round 4 (after step 2's checkpoint,
-    step 3 logged) and resumed through the ServerApp with resume = true."""
+    step 3 logged); the tests resume copies of it."""
     from flwr.supercore.task_identity import TaskIdentity
 
     tmp = tmp_path_factory.mktemp("resume")
@@ -274,7 +274,7 @@ def served(tmp_path_factory) -> dict[str, RunFolder]:
     assert "Crash" in json.loads((stopped.path / STATUS_FILE).read_text())["error"]
     assert [s.step for s in read_run_log(stopped.metrics_path, (ServerStepRecord,))] == [1, 2, 3]
     assert sorted(p.name for p in stopped.checkpoint_dir.glob("*.pt")) == ["ckpt-000000002.pt"]
-    return {"whole": whole, "stopped": stopped, "config": run_config, "tmp": tmp}
+    return {"whole": whole, "stopped": stopped, "tmp": tmp}
 
 
 def test_a_deployed_fedavg_run_killed_after_a_checkpoint_resumes_to_the_same_bits(served) -> None:
