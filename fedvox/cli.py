@@ -241,12 +241,18 @@ def resume(
     """Continue an interrupted run from its newest valid checkpoint.
 
     Ends with the same weights an uninterrupted run would have; a torn checkpoint is
-    skipped with a warning.
+    skipped with a warning. A deployed run resumes with `fedvox deploy resume`.
     """
+    from fedvox.experiment.deployment import is_deployed
     from fedvox.experiment.launch import launch_workers, under_launcher, worker_rank
     from fedvox.experiment.runfolder import RunFolder
     from fedvox.experiment.runner import resume_experiment, train_worker
 
+    if is_deployed(RunFolder.open(run)):
+        raise FedvoxError(
+            f"{run} is a deployed run (a Flower app folder in {run / 'deploy'}). "
+            f"Fix: `fedvox deploy resume {run}`"
+        )
     cfg = RunFolder.open(run).config()
     if cfg.train.workers > 1 and not under_launcher():  # as many processes as it trained on
         raise typer.Exit(launch_workers(cfg, ["resume", str(run), *(["--quiet"] if quiet else [])]))
@@ -562,7 +568,8 @@ def config(
 deploy_app = typer.Typer(
     help=(
         "Run a federated config as a real federation on Flower's runtime (the `deploy` "
-        "extra): keys, a local federation on loopback, or the commands for separate machines."
+        "extra): keys, a local federation on loopback, the commands for separate machines, "
+        "and resuming an interrupted run from its checkpoint."
     ),
     no_args_is_help=True,
 )
@@ -742,6 +749,60 @@ def deploy_local_cmd(
         f"{path}: {status['steps']} server steps in {status['seconds']:.1f} s on "
         f"{'TLS + node authentication' if status['tls'] else 'INSECURE transport'}; "
         f"Flower moved {traffic.get('total-bytes', 0) / 1e6:.1f} MB; report {path / 'report.md'}"
+    )
+
+
+@deploy_app.command("resume")
+def deploy_resume_cmd(
+    run: Annotated[
+        Path,
+        typer.Argument(help="Run folder of an interrupted `fedvox deploy local` or prepared run."),
+    ],
+    keys: Annotated[
+        Path | None,
+        typer.Option(help="Keys the run used (default: RUN/deploy/keys, as `deploy local` made)."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Give up after this many seconds.")] = 3600.0,
+    insecure: InsecureOpt = False,
+    command_only: Annotated[
+        bool,
+        typer.Option(
+            "--command-only",
+            help="Start nothing: check the run and print the `flwr run` that resumes it on a "
+            "federation started by hand (`deploy print-commands`).",
+        ),
+    ] = False,
+) -> None:
+    """Continue a deployed run from its newest checkpoint (one every
+    federated.checkpoint_every server steps).
+
+    Starts a SuperLink and a SuperNode per shard on loopback (as `deploy local`)
+    and submits the run again with resume = true: the server loads the
+    checkpoint, cuts metrics.jsonl, trips.jsonl and arrivals.jsonl back to it,
+    sends the trips that were in flight again and trains to the end.
+
+    Replies arriving in the same order, it ends on the bits of an uninterrupted
+    run. A step in progress (secure aggregation included) is redone. Refuses,
+    naming the file or field, a folder that is not a deployed run, has no
+    checkpoint, completed, or whose config changed.
+    """
+    from fedvox.experiment.deployment import resume_commands, resume_local
+    from fedvox.experiment.runfolder import RunFolder
+
+    if command_only:
+        for line in resume_commands(RunFolder.open(run)):
+            print(line)
+        return
+    if insecure:
+        _warn_insecure()
+    settings = _local_settings(None, insecure, keys, None, timeout)
+    status = resume_local(run, settings)
+    traffic = status.get("flower", {})
+    out.print(
+        f"{run}: resumed from server step {status['resumed_from_step']}, now at step "
+        f"{status['steps']} ({status['seconds']:.1f} s) on "
+        f"{'TLS + node authentication' if status['tls'] else 'INSECURE transport'}; "
+        f"Flower moved {traffic.get('total-bytes', 0) / 1e6:.1f} MB; report {run / 'report.md'}"
     )
 
 

@@ -210,6 +210,7 @@ def test_deploy_keys_and_print_commands_from_the_command_line(tmp_path: Path) ->
     assert "--superlink link.lan:9092 --root-certificates /opt/fedvox-node/ca.pem" in text
     assert "--auth-supernode-private-key /opt/fedvox-node/node-1.key" in text
     assert "FLWR_TELEMETRY_ENABLED=0" in text and "flwr run" in text
+    assert "fedvox deploy resume" in text and "--command-only" in text  # after a crash
     assert "/work/" not in text.split("copy")[0]  # programs by name, not this machine's paths
     res = runner.invoke(app, ["deploy", "print-commands", str(run), "--host", "link.lan"])
     assert res.exit_code != 0 and "--keys" in str(res.exception or res.output)

@@ -252,3 +252,43 @@ def test_federated_reconstruction_with_a_node_on_its_own_kaldi_dir(tmp_path: Pat
     assert any((own.parent / "cache" / "features").rglob("*.fvx"))
     log = (tmp_path / "fed" / "logs" / "node-2.log").read_text(errors="replace")
     assert "Receiving: train message" in log
+
+
+def test_deploy_local_stopped_after_a_checkpoint_resumes_with_deploy_resume(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.toml"
+    text = CFG.format(algorithm="fedavg", steps=2, cache=tmp_path / "cache")
+    path.write_text(text.replace("checkpoint_every = 2", "checkpoint_every = 1"))
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    fedvox = [sys.executable, "-c", "from fedvox.cli import main; main()"]
+    argv = [*fedvox, "deploy", "local", str(path), "--nodes", "3", "--out", str(out)]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)
+    try:  # Ctrl-C once the first checkpoint is written: everything stops, no status
+        deadline = time.monotonic() + 420
+        while not (out / "checkpoints" / "ckpt-000000001.sha256").is_file():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.5)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert _processes_naming(str(out.resolve())) == []
+    res = subprocess.run([*fedvox, "deploy", "resume", str(out)], env=env, capture_output=True)
+    assert res.returncode == 0, res.stdout.decode()[-2000:] + res.stderr.decode()[-2000:]
+    assert "resumed from server step 1, now at step 2" in " ".join(res.stdout.decode().split())
+    run = RunFolder.open(out)
+    manifest = run.manifest()
+    assert manifest["deployed"]["resumed_from_step"] == 1
+    assert manifest["deploy_resumes"][0]["from_step"] == 1
+    assert manifest["deploy_local"]["tls"] and manifest["deploy_local"]["status"] == "completed"
+    steps = read_run_log(run.metrics_path, (ServerStepRecord,))
+    assert [s.step for s in steps] == [1, 2]  # each step logged once
+    trips = read_run_log(out / "trips.jsonl", (TripRecord,))
+    assert sorted(t.server_step for t in trips if t.status == "aggregated") == [1] * 3 + [2] * 3
+    assert len({(t.client, t.trip) for t in trips}) == len(trips)
+    assert (out / "model.pt").is_file() and (out / "report.md").is_file()
+    assert _processes_naming(str(out.resolve())) == []

@@ -126,9 +126,11 @@ def register_argv(public_key: Path) -> list[str]:
     return [executable("flwr"), "supernode", "register", str(public_key), CONNECTION]
 
 
-def run_argv(app: Path) -> list[str]:
-    """`flwr run`: submit the app folder (a FAB is built from it) as a new run."""
-    return [executable("flwr"), "run", str(app), CONNECTION, "--format", "json"]
+def run_argv(app: Path, overrides: Mapping[str, Value] | None = None) -> list[str]:
+    """`flwr run`: submit the app folder (a FAB is built from it) as a new run; `overrides`
+    replace run-config values the app folder has (e.g. resume = true)."""
+    argv = [executable("flwr"), "run", str(app), CONNECTION, "--format", "json"]
+    return argv + (["--run-config", config_args(overrides)] if overrides else [])
 
 
 def nodes_argv() -> list[str]:

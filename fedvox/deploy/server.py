@@ -7,11 +7,13 @@ order, so a deployment whose replies arrive in the simulator's order ends on its
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +56,17 @@ class _Trip:
     arrival: int | None = None  # the n-th update to arrive (1-based), once it has
     arrived: float | None = None
 
+
+def _trip_state(trip: _Trip) -> dict[str, Any]:
+    """A trip's bookkeeping without its start params (a checkpoint keeps each version once)."""
+    return {f.name: getattr(trip, f.name) for f in dataclasses.fields(trip) if f.name != "start"}
+
+
+def _clone(params: Params) -> Params:
+    return {n: t.detach().clone() for n, t in params.items()}
+
+
+STATE_FORMAT = "fedvox-deploy-server/1"  # what DeployServer.state_dict writes
 
 # what became of a trip (the simulator's TripRecord statuses)
 AGGREGATED, STALE, DROPPED_OUT, CANCELLED = "aggregated", "stale", "dropped_out", "cancelled"
@@ -112,6 +125,8 @@ class DeployServer:
     # what each model version's requests carry beside the params (Federated Reconstruction's
     # public negatives under a reserved key): computed once per version, never aggregated
     broadcast: Callable[[Params], Params] | None = None
+    # after each server step, once its buffer is cleared: where `state_dict` can resume
+    on_checkpoint: Callable[[DeployServer], None] | None = None
 
     def __post_init__(self) -> None:
         self.rounds = None if self.secure is None else SecureRounds(self.secure, self._collect)
@@ -125,10 +140,16 @@ class DeployServer:
         self.nodes: dict[int, int] = {}  # federation-wide client id -> node id
         self.num_examples: dict[int, int] = {}  # client -> examples (its node's QUERY reply)
         self._extra: tuple[int, Params] | None = None  # (version, its broadcast)
+        self.in_flight: dict[str, _Trip] = {}  # asynchronous: request id -> trip under way
+        self.pending: list[tuple[_Trip, Envelope]] = []  # asynchronous: the buffer
+        self._restored: list[_Trip] = []  # in flight at the checkpoint resumed from
+        self._elapsed = 0.0  # seconds the run had been going at that checkpoint
+        self._clients: int | None = None  # clients the checkpointed run had discovered
 
     def run(self, grid: Grid, steps: int) -> Params:
-        """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`."""
-        self.t0 = time.monotonic()
+        """Discover the nodes, then synchronous rounds or asynchronous trips to `steps`
+        (from the step `load_state_dict` restored, if it did)."""
+        self.t0 = time.monotonic() - self._elapsed
         self._grid = grid
         if self.secure is not None and not self.algorithm.barrier:
             raise ConfigError(
@@ -136,6 +157,10 @@ class DeployServer:
                 "secure aggregation over messages needs synchronous rounds",
                 "use a FedAvg-family algorithm with it",
             )
+        if self.step >= steps:  # resumed after the last step: no node is needed
+            self._end_trips(self._restored)
+            self._restored = []
+            return self.params
         self.wait_for_nodes(grid)
         self.discover(grid)
         self.algorithm.validate(self.config.concurrency)
@@ -144,6 +169,13 @@ class DeployServer:
                 "concurrency",
                 f"C={self.config.concurrency} exceeds the {len(self.nodes)} connected nodes",
             )
+        if self._clients is not None and self._clients != len(self.nodes):
+            raise DeployError(
+                f"the checkpoint's run had {self._clients} clients but {len(self.nodes)} nodes "
+                "joined; start one node per shard of the run (as it was started) and resume again"
+            )
+        for trip in [*self._restored, *(t for t, _ in self.pending)]:
+            trip.node = self.nodes[trip.client]  # a fresh SuperLink may number nodes anew
         if self.algorithm.barrier:
             self._run_sync(grid, steps)
         else:
@@ -193,9 +225,8 @@ class DeployServer:
         while self.step < steps:
             cohort = draw_cohort(self.config.seed, self.selections, n, m)
             self.selections += 1
-            sent = {
-                i: self._trip(cl) for i, cl in zip(self._push(grid, cohort), cohort, strict=True)
-            }
+            trips = [self._trip(cl) for cl in cohort]
+            sent = dict(zip(self._send(grid, trips), trips, strict=True))
             arrived: list[tuple[_Trip, Envelope]] = []
             for reply in self._collect(grid, list(sent), c, count_errors=True):
                 trip = self._arrive(sent.pop(reply.reply_to), reply)
@@ -210,6 +241,7 @@ class DeployServer:
                 self._log(trip, status, None, "no reply before the deadline")
             if arrived:
                 self._server_step(arrived[:c], len(cohort))
+                self._checkpoint()
                 empty = 0
             else:
                 empty += 1
@@ -220,50 +252,60 @@ class DeployServer:
 
     def _run_async(self, grid: Grid, steps: int) -> None:
         """Keep C trips in flight; each arrival is buffered (or dropped as stale), a server
-        step every K, then its slot is refilled from the newest version."""
+        step every K, then its slot is refilled from the newest version. Trips in flight at
+        the checkpoint resumed from are sent again first (same client, trip and version)."""
         k = self.algorithm.updates_per_step(self.config.concurrency)
-        in_flight: dict[str, _Trip] = {}
-        pending: list[tuple[_Trip, Envelope]] = []
-        self._fill(grid, in_flight)
+        if self._restored:
+            self.in_flight.update(
+                zip(self._send(grid, self._restored), self._restored, strict=True)
+            )
+            self._restored = []
+        self._fill(grid)
         waited = time.monotonic()
         while self.step < steps:
-            if not in_flight:
+            if not self.in_flight:
                 raise DeployError("no trip in flight and no node to invite")
-            replies = grid.pull(list(in_flight))
+            replies = grid.pull(list(self.in_flight))
             if not replies:
                 self._wait(waited)
                 continue
             waited = time.monotonic()
             for reply in replies:
-                trip = self._arrive(in_flight.pop(reply.reply_to), reply)
+                trip = self._arrive(self.in_flight.pop(reply.reply_to), reply)
                 if reply.kind == ERROR:
                     self._log(trip, DROPPED_OUT, reply)
                 else:
                     tau = self.step - trip.version
                     max_tau = self.algorithm.max_staleness
                     if max_tau is None or tau <= max_tau:
-                        pending.append((trip, reply))
+                        self.pending.append((trip, reply))
                     else:
                         self._log(trip, STALE, reply)
-                if len(pending) >= k:
-                    self._server_step(pending, len(in_flight) + 1)
-                    pending = []
+                if len(self.pending) >= k:
+                    self._server_step(self.pending, len(self.in_flight) + 1)
+                    self.pending = []
+                    self._checkpoint()
                 if self.step >= steps:  # done: start no trip that nothing would wait for
                     break
-                self._fill(grid, in_flight)
-        for trip in in_flight.values():  # still training when the run ended
+                self._fill(grid)
+        self._end_trips(list(self.in_flight.values()))
+
+    def _end_trips(self, trips: list[_Trip]) -> None:
+        """Log trips still training when the run ended as cancelled."""
+        for trip in trips:
             self._log(trip, CANCELLED, None, "the run ended")
 
-    def _fill(self, grid: Grid, in_flight: dict[str, _Trip]) -> None:
+    def _fill(self, grid: Grid) -> None:
         """Invite idle clients, one draw each, until C trips are in flight."""
-        while len(in_flight) < self.config.concurrency:
-            busy = {t.client for t in in_flight.values()}
+        while len(self.in_flight) < self.config.concurrency:
+            busy = {t.client for t in self.in_flight.values()}
             client = draw_one(self.config.seed, self.selections, len(self.nodes), busy)
             self.selections += 1
             if client is None:
                 return
-            (rid,) = self._push(grid, [client])
-            in_flight[rid] = self._trip(client)
+            trip = self._trip(client)
+            (rid,) = self._send(grid, [trip])
+            self.in_flight[rid] = trip
 
     # -- shared ----------------------------------------------------------------------
 
@@ -315,32 +357,29 @@ class DeployServer:
         if self.on_trip is not None:
             self.on_trip(log_)
 
-    def _push(self, grid: Grid, clients: list[int]) -> list[str]:
-        """Send the current global params to each client's node; the trip number the request
-        carries is the one `_trip` opens next for that client."""
-        arrays = self.params if self.broadcast is None else {**self.params, **self._version()}
+    def _send(self, grid: Grid, trips: list[_Trip]) -> list[str]:
+        """Push each trip's request to its client's node: the params of the version it starts
+        from (with that version's broadcast, if any) and its (client, trip), which key the
+        client's batches."""
+        secure = {"secure": True} if self.secure is not None else {}
         requests = [
             Envelope(
-                self.nodes[c],
+                t.node,
                 TRAIN,
-                arrays,
-                {
-                    "client": c,
-                    "trip": self.trips.get(c, 0),
-                    "version": self.step,
-                    **({"secure": True} if self.secure is not None else {}),
-                },
+                t.start if self.broadcast is None else {**t.start, **self._version(t)},
+                {"client": t.client, "trip": t.trip, "version": t.version, **secure},
                 group=str(self.step + 1),
             )
-            for c in clients
+            for t in trips
         ]
         return grid.push(requests)
 
-    def _version(self) -> Params:
-        """The current version's broadcast, computed on its first request only."""
+    def _version(self, trip: _Trip) -> Params:
+        """The broadcast of the version `trip` starts from, computed on its first request
+        only (a trip re-sent after a resume may start from an older version)."""
         assert self.broadcast is not None
-        if self._extra is None or self._extra[0] != self.step:
-            self._extra = (self.step, self.broadcast(self.params))
+        if self._extra is None or self._extra[0] != trip.version:
+            self._extra = (trip.version, self.broadcast(trip.start))
         return self._extra[1]
 
     def _wait(self, since: float) -> None:
@@ -420,3 +459,60 @@ class DeployServer:
         self.history.append(record)
         if self.on_step is not None:
             self.on_step(record)
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def _checkpoint(self) -> None:
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(self)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a server resumes from (taken at `on_checkpoint`, a step boundary): params,
+        algorithm and aggregator state, selection counter, trips per client, arrivals, the
+        clock, the trips in flight and the buffer (with the versions they started from)."""
+        trips = [*self.in_flight.values(), *(t for t, _ in self.pending)]
+        return {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "params": _clone(self.params),
+            "algorithm": self.algorithm.state_dict(),
+            "aggregator": self.aggregator.state_dict(),
+            "secagg": None if self.rounds is None else self.rounds.sums.state_dict(),
+            "selections": self.selections,
+            "trips": dict(self.trips),
+            "arrivals": self.arrivals,
+            "seconds": self._now(),
+            "clients": len(self.nodes),
+            "versions": {t.version: _clone(t.start) for t in trips},
+            "in_flight": [_trip_state(t) for t in self.in_flight.values()],
+            "pending": [(_trip_state(t), r) for t, r in self.pending],
+            "history": [dataclasses.asdict(h) for h in self.history],
+            "trip_log": [dataclasses.asdict(t) for t in self.trip_log],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from `state_dict`: the next `run` discovers the nodes again, re-sends the trips
+        that were in flight (same client, trip and start version, so the same update) and
+        continues from the stored step; nothing that happened after the checkpoint counts."""
+        if state.get("format") != STATE_FORMAT:
+            raise DeployError(
+                f"checkpoint format {state.get('format')!r}, not {STATE_FORMAT!r}: not a "
+                "deployed server's checkpoint"
+            )
+        self.params = _clone(state["params"])
+        self.step = int(state["step"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.aggregator.load_state_dict(state["aggregator"])
+        if self.rounds is not None and state["secagg"] is not None:
+            self.rounds.sums.load_state_dict(state["secagg"])
+        self.selections = int(state["selections"])
+        self.trips = {int(c): int(n) for c, n in state["trips"].items()}
+        self.arrivals = int(state["arrivals"])
+        self._elapsed = float(state["seconds"])
+        self._clients = int(state["clients"])
+        versions = state["versions"]
+        self._restored = [_Trip(**t, start=versions[t["version"]]) for t in state["in_flight"]]
+        self.in_flight = {}
+        self.pending = [(_Trip(**t, start=versions[t["version"]]), r) for t, r in state["pending"]]
+        self.history = [StepLog(**h) for h in state["history"]]
+        self.trip_log = [TripLog(**t) for t in state["trip_log"]]

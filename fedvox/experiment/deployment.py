@@ -29,17 +29,18 @@ from fedvox.deploy.processes import Processes, free_port, wait_for_port
 from fedvox.deploy.secagg import SecAggNode
 from fedvox.deploy.server import StepLog, TripLog
 from fedvox.deploy.shard import load_shard, node_shard, save_shard, shard_population
-from fedvox.errors import ConfigError, FedvoxError
+from fedvox.errors import ConfigError, DataError, FedvoxError
 from fedvox.experiment import node_data as nd
 from fedvox.experiment.config import ExperimentConfig, config_from_dict
 from fedvox.experiment.node_data import check_own_data, own_data_key
-from fedvox.experiment.runfolder import RunFolder, truncate_lines
+from fedvox.experiment.runfolder import RunFolder, count_lines, truncate_lines
 from fedvox.fl.population import Population
 from fedvox.fl.simulator import ClientUpdate, plain_client_update
 from fedvox.models.heads import margin_schedule
 from fedvox.privacy.secagg import SecAggConfig
 from fedvox.records import EvalRecord, ServerStepRecord, TripRecord, append_run_log
 from fedvox.tasks.speakers import SpeakerReconTask, received_broadcast_update
+from fedvox.types import Params
 
 STATUS_FILE = "deploy-status.json"  # written by the server process when the run ends
 ARRIVALS_FILE = "arrivals.jsonl"  # every trip's end as the deployed server saw it
@@ -293,17 +294,42 @@ def _trip_record(t: TripLog, seq: int, down: int, up: int) -> TripRecord:
 
 class _RunLog:
     """Writes a deployed run's trips.jsonl, arrivals.jsonl and metrics.jsonl (server steps,
-    quick evaluations) as trips end and steps happen; counters as the simulator keeps them."""
+    quick evaluations) as trips end and steps happen, counters as the simulator keeps them,
+    and its checkpoints; `resume` (a checkpoint) cuts the logs back to where it was taken."""
 
-    def __init__(self, run, cfg, data, task, server: DeployServer, down: int, up: int) -> None:
+    def __init__(
+        self, run, cfg, data, task, server: DeployServer, down: int, up: int, resume=None
+    ) -> None:
         from fedvox.experiment.federated import TRIPS_FILE
 
         self.run, self.cfg, self.data, self.task, self.server = run, cfg, data, task, server
         self.down, self.up = down, up
         self.trips_path = run.path / TRIPS_FILE
+        self.paths = {
+            "metrics": run.metrics_path,
+            "trips": self.trips_path,
+            "arrivals": run.path / ARRIVALS_FILE,
+        }
         self.counts = {"trips": 0, "dropped_out": 0, "stale": 0, "cancelled": 0}
-        for path in (run.metrics_path, self.trips_path, run.path / ARRIVALS_FILE):
-            truncate_lines(path, 0)
+        if resume is not None:
+            self.counts = dict(resume["counts"])
+        for name, path in self.paths.items():
+            truncate_lines(path, 0 if resume is None else int(resume["log_lines"][name]))
+
+    def on_checkpoint(self, server: DeployServer) -> None:
+        """Every federated.checkpoint_every server steps and at the last: the server's state,
+        the counters and each log's length, atomically (RunFolder.save_checkpoint)."""
+        f = self.cfg.federated
+        if server.step % f.checkpoint_every and server.step < f.server_steps:
+            return
+        state = {
+            "deployed": server.state_dict(),
+            "log_lines": {name: count_lines(path) for name, path in self.paths.items()},
+            "counts": dict(self.counts),
+            "config_hash": self.cfg.hash(),
+            "config": self.cfg.to_dict(),
+        }
+        self.run.save_checkpoint(server.step, state)
 
     def on_trip(self, t: TripLog) -> None:
         """One trip's end: a TripRecord and its full TripLog line."""
@@ -378,12 +404,65 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
         check_own_data(cfg)
     f = cfg.federated
     assert f is not None
+    found = None
+    if _flag(run_config.get(RESUME_KEY, False)):  # checked before any data is prepared
+        found = load_resume_state(run)
+        _check_node_config(run_config.get(CONFIG_KEY), cfg, f"run-config.{CONFIG_KEY}")
+    else:  # starting over: a checkpoint of an earlier attempt must not be resumed into this one
+        for old in run.checkpoint_dir.glob("ckpt-*"):
+            old.unlink()
     set_determinism(cfg.train.threads)
     data = prepare(cfg, progress=False)
     setup = build_setup(cfg, data)
     sim, task = setup.simulator, setup.task
+    server = _deploy_server(cfg, sim, run_config, setup.broadcast)
+    ckpt = None if found is None else found[1]
+    if ckpt is not None:
+        server.load_state_dict(ckpt["deployed"])
+        _set_margin(task, margin_at(cfg, server.step))
+    down, up = sim.bytes_down_per_trip, sim.bytes_up_per_trip
+    log = _RunLog(run, cfg, data, task, server, down, up, ckpt)
+    server.on_trip, server.on_step, server.on_checkpoint = (
+        log.on_trip,
+        log.on_step,
+        log.on_checkpoint,
+    )
+    t0 = time.perf_counter()
+    params = server.run(grid, f.server_steps)
+    task.load_params(params)
+    seconds = time.perf_counter() - t0
+    run.update_manifest(
+        federated_seconds=round(seconds, 1),
+        deployed={
+            "runtime": "flower",
+            "nodes": len(server.nodes),
+            "steps": server.step,
+            "resumed_from_step": None if found is None else found[0],
+            "seconds": round(seconds, 2),
+            "seconds_per_step": round(seconds / max(server.step, 1), 3),
+            "bytes_down_per_trip": log.down,
+            "bytes_up_per_trip": log.up,
+            "examples_per_client": [server.num_examples[c] for c in sorted(server.num_examples)],
+            "virtual_time_s": "wall-clock seconds since the server started",
+        },
+    )
+    _evaluate_and_finish(run, cfg, data, task.extractor, t0, False)
+    status = {"status": "completed", "steps": server.step, "seconds": round(seconds, 2)}
+    atomic_write_text(run.path / STATUS_FILE, json.dumps(status, indent=2) + "\n")
+
+
+def _deploy_server(
+    cfg: ExperimentConfig,
+    sim: Any,
+    run_config: dict[str, Any],
+    broadcast: Callable[[Params], Params] | None = None,
+) -> DeployServer:
+    """A DeployServer on the simulator's params, algorithm and aggregator (and local
+    speakers' per-version broadcast), patient as the run config says."""
+    f = cfg.federated
+    assert f is not None
     timeout = float(run_config.get("reply-timeout", 0)) or None
-    server = DeployServer(
+    return DeployServer(
         sim.params,
         sim.algorithm,
         sim.aggregator,
@@ -397,31 +476,90 @@ def _serve(run: RunFolder, grid: Grid, run_config: dict[str, Any]) -> None:
             wait_nodes_s=float(run_config.get("wait-nodes-s", 120)),
         ),
         secure=_secagg_config(cfg, sim.population.num_clients),
-        broadcast=setup.broadcast,
+        broadcast=broadcast,
     )
-    log = _RunLog(run, cfg, data, task, server, sim.bytes_down_per_trip, sim.bytes_up_per_trip)
-    server.on_trip, server.on_step = log.on_trip, log.on_step
-    t0 = time.perf_counter()
-    params = server.run(grid, f.server_steps)
-    task.load_params(params)
-    seconds = time.perf_counter() - t0
-    run.update_manifest(
-        federated_seconds=round(seconds, 1),
-        deployed={
-            "runtime": "flower",
-            "nodes": len(server.nodes),
-            "steps": server.step,
-            "seconds": round(seconds, 2),
-            "seconds_per_step": round(seconds / max(server.step, 1), 3),
-            "bytes_down_per_trip": log.down,
-            "bytes_up_per_trip": log.up,
-            "examples_per_client": [server.num_examples[c] for c in sorted(server.num_examples)],
-            "virtual_time_s": "wall-clock seconds since the server started",
-        },
-    )
-    _evaluate_and_finish(run, cfg, data, task.extractor, t0, False)
-    status = {"status": "completed", "steps": server.step, "seconds": round(seconds, 2)}
-    atomic_write_text(run.path / STATUS_FILE, json.dumps(status, indent=2) + "\n")
+
+
+# -- checkpoints and resume -------------------------------------------------------------
+
+RESUME_KEY = "resume"  # run-config key: true continues the run from its newest checkpoint
+
+
+def _flag(value: Any) -> bool:
+    """A run-config boolean (TOML gives a bool; a string "true" counts too)."""
+    return value is True or str(value).strip().lower() == "true"
+
+
+def is_deployed(run: RunFolder) -> bool:
+    """Whether `fedvox deploy prepare`/`local` made this run folder (it has an app folder)."""
+    return (app_folder(run) / "pyproject.toml").is_file()
+
+
+def _config_diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """The dotted fields whose values differ between two config dicts, with both values."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in sorted(set(old) | set(new)):
+            out += _config_diff(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
+
+
+def load_resume_state(run: RunFolder) -> tuple[int, dict[str, Any]]:
+    """A deployed run's newest valid checkpoint and its step; a DataError or ConfigError
+    naming the file or field (and the fix) when the folder cannot be resumed."""
+    if not is_deployed(run):
+        raise DataError(
+            app_folder(run) / "pyproject.toml",
+            f"{run.path} is not a deployed run (no Flower app folder)",
+            f"continue a `fedvox train` run with `fedvox resume {run.path}`",
+        )
+    cfg = run.config()
+    f = cfg.federated
+    found = run.load_latest_checkpoint()
+    if found is None or f is None:
+        every = "?" if f is None else f.checkpoint_every
+        raise DataError(
+            run.checkpoint_dir,
+            "no valid checkpoint: the run stopped before its first one "
+            f"(written every federated.checkpoint_every = {every} server steps)",
+            f"start it again: `fedvox deploy local {run.config_path} --out {run.path} --overwrite`",
+        )
+    step, ckpt = found
+    if "deployed" not in ckpt:
+        raise DataError(
+            run.checkpoint_dir / f"ckpt-{step:09d}.pt",
+            "a simulator checkpoint, not a deployed run's",
+            f"continue it with `fedvox resume {run.path}`",
+        )
+    if ckpt["config_hash"] != cfg.hash():
+        field, old, new = ([*_config_diff(ckpt["config"], cfg.to_dict()), ("(config)", "", "")])[0]
+        raise ConfigError(
+            field,
+            f"is {new!r} but was {old!r} when the checkpoint of step {step} was written",
+            "put back the config the run started with (a resumed run is the same run), or "
+            "start a new run with another --out",
+            source=str(run.config_path),
+        )
+    return step, ckpt
+
+
+def _check_node_config(text: Any, cfg: ExperimentConfig, source: str) -> None:
+    """The config the nodes get (the app's run config) must be the run folder's."""
+    try:
+        theirs = config_from_dict(tomllib.loads(str(text)), source)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(CONFIG_KEY, f"not TOML ({err})", "resubmit", source=source) from None
+    if theirs.hash() != cfg.hash():
+        field, old, new = ([*_config_diff(cfg.to_dict(), theirs.to_dict()), ("(config)", "", "")])[
+            0
+        ]
+        raise ConfigError(
+            field,
+            f"the nodes would train with {new!r}, the run folder's config.toml says {old!r}",
+            "put back the config the run started with in both (or start a new run)",
+            source=source,
+        )
 
 
 # -- a local federation: one SuperLink, N SuperNodes, by PID ----------------------------
@@ -520,9 +658,9 @@ class LocalFederation:
         env = {**self.env, "FLWR_HOME": str(self.root / f"node-{i}-home")}
         self.procs.start(name, argv, env)
 
-    def submit(self, app: Path) -> int:
-        """`flwr run` the app folder; the run's id."""
-        out = fc.json_output(self.flwr(fc.run_argv(app.resolve())), "flwr run")
+    def submit(self, app: Path, overrides: dict[str, Any] | None = None) -> int:
+        """`flwr run` the app folder (run-config `overrides`, e.g. resume); the run's id."""
+        out = fc.json_output(self.flwr(fc.run_argv(app.resolve(), overrides)), "flwr run")
         return int(out["run-id"])
 
     def traffic(self, run_id: int) -> dict[str, Any]:
@@ -612,6 +750,7 @@ def write_run_app(run: RunFolder, nodes: int, settings: LocalSettings) -> Path:
         "wait-nodes-s": settings.wait_nodes_s,
         "reply-timeout": timeout,
         "message-ttl": timeout,
+        RESUME_KEY: False,  # `flwr run ... --run-config resume=true` continues the run
     }
     if not settings.own_data:
         config[PARTITION_KEY] = sha256_file(run.path / "partition.json")
@@ -636,10 +775,49 @@ def deploy_local(
             "own machines",
         )
     run, shards, keys = prepare_deployed_run(cfg, out, settings, overwrite, loopback_keys=True)
+    return _local(run, shards, keys, settings, resume=False)
+
+
+def resume_local(path: Path, settings: LocalSettings) -> dict[str, Any]:
+    """`fedvox deploy resume`: a fresh loopback federation for a deployed run's shards (its
+    keys as `deploy local` made them, `settings.keys` or none), the run submitted again with
+    resume = true, every process stopped at the end."""
+    run = RunFolder.open(path)
+    check_resumable(run)
+    shards = shards_of(run)
+    keys = _resume_keys(run, settings, len(shards))
+    step = begin_resume(run)
+    return {**_local(run, shards, keys, settings, resume=True), "resumed_from_step": step}
+
+
+def _resume_keys(run: RunFolder, settings: LocalSettings, nodes: int) -> KeyLayout | None:
+    """The keys a resumed loopback federation uses: none if insecure, --keys, or the run's."""
+    if settings.insecure:
+        return None
+    where = settings.keys or run.path / DEPLOY_DIR / "keys"
+    if not where.is_dir():
+        raise ConfigError(
+            "--keys",
+            f"the run folder holds no keys ({where})",
+            "pass --keys with the folder of `fedvox deploy keys` the run used, or --insecure",
+        )
+    keys = KeyLayout(where)
+    keys.check(nodes)
+    return keys
+
+
+def _local(
+    run: RunFolder,
+    shards: list[Path],
+    keys: KeyLayout | None,
+    settings: LocalSettings,
+    resume: bool,
+) -> dict[str, Any]:
+    """Run (or resume) a prepared run on a loopback federation; its status, in the manifest."""
     t0 = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops the federation too
     try:
-        status, run_id, traffic = _run_local(run, shards, keys, settings)
+        status, run_id, traffic = _run_local(run, shards, keys, settings, resume)
     finally:
         signal.signal(signal.SIGTERM, previous)
     status.update(
@@ -651,9 +829,12 @@ def deploy_local(
     )
     run.update_manifest(deploy_local=status)
     if status["status"] != "completed":
+        hint = ""
+        if any(run.checkpoint_dir.glob("ckpt-*.pt")):
+            hint = f"; continue it from its last checkpoint with `fedvox deploy resume {run.path}`"
         raise FedvoxError(
             f"the deployed run failed: {status.get('error')}. "
-            f"Logs: {run.path / DEPLOY_DIR / 'logs'}"
+            f"Logs: {run.path / DEPLOY_DIR / 'logs'}{hint}"
         )
     return status
 
@@ -663,7 +844,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _run_local(
-    run: RunFolder, shards: list[Path], keys: KeyLayout | None, settings: LocalSettings
+    run: RunFolder,
+    shards: list[Path],
+    keys: KeyLayout | None,
+    settings: LocalSettings,
+    resume: bool = False,
 ) -> tuple[dict[str, Any], int, dict[str, Any]]:
     """Start the SuperLink, register and start the nodes, run; every process stopped by PID
     when this returns or raises."""
@@ -673,9 +858,66 @@ def _run_local(
             fed.register(i)
         for i, shard in enumerate(shards):
             fed.start_node(i, node_config(shard))
-        run_id = fed.submit(app_folder(run))
+        run_id = fed.submit(app_folder(run), {RESUME_KEY: True} if resume else None)
         status = fed.wait(run, settings.timeout_s)
         return status, run_id, fed.traffic(run_id)
+
+
+def _app_pyproject(run: RunFolder) -> Path:
+    return app_folder(run) / "pyproject.toml"
+
+
+def _app_run_config(run: RunFolder) -> dict[str, Any]:
+    """The run config in the run's Flower app folder (what `flwr run` submits)."""
+    doc = tomllib.loads(_app_pyproject(run).read_text())
+    return dict(doc["tool"]["flwr"]["app"]["config"])
+
+
+def check_resumable(run: RunFolder) -> int:
+    """The step a deployed run resumes from; refuses (naming the file or field) a folder
+    with no checkpoint, another config in config.toml or the app folder, or that completed."""
+    step, _ = load_resume_state(run)
+    config = _app_run_config(run)
+    _check_node_config(config.get(CONFIG_KEY), run.config(), str(_app_pyproject(run)))
+    if _status(run).get("status") == "completed":
+        raise FedvoxError(
+            f"{run.path} completed ({STATUS_FILE}): there is nothing to resume. "
+            f"Fix: read {run.report_path}, or start a new run with another --out"
+        )
+    return step
+
+
+def _status(run: RunFolder) -> dict[str, Any]:
+    try:
+        return dict(json.loads((run.path / STATUS_FILE).read_text()))
+    except (OSError, ValueError):
+        return {"status": "stopped without a status (killed)"}
+
+
+def begin_resume(run: RunFolder) -> int:
+    """`check_resumable`, then note the interruption in the manifest and clear the status
+    file (a waiting `deploy local` then sees the resumed run's); the step it resumes from."""
+    step = check_resumable(run)
+    config = _app_run_config(run)
+    if RESUME_KEY not in config:  # an app folder from before resume: the key must exist
+        fc.write_app(app_folder(run), "fedvox-run", {**config, RESUME_KEY: False})
+    resumes = run.manifest().get("deploy_resumes", [])
+    run.update_manifest(deploy_resumes=[*resumes, {"from_step": step, "before": _status(run)}])
+    (run.path / STATUS_FILE).unlink(missing_ok=True)
+    return step
+
+
+def resume_commands(run: RunFolder) -> list[str]:
+    """`begin_resume`, then the `flwr run` that resumes the run on a federation started by
+    hand (`print_commands`: the SuperLink and the nodes up again)."""
+    step = begin_resume(run)
+    home = run.path.resolve() / DEPLOY_DIR / "flwr-home"
+    argv = fc.run_argv(app_folder(run).resolve(), {RESUME_KEY: True})
+    return [
+        f"# resumes {run.path} from its checkpoint of server step {step}; on the SuperLink "
+        "machine, once the SuperLink and every node are up (see print-commands):",
+        f"{fc.shell([], {'FLWR_HOME': str(home)})} {fc.shell(_bare(argv))}",
+    ]
 
 
 def print_commands(
@@ -723,6 +965,8 @@ def print_commands(
         "# 4. on the SuperLink machine, once the nodes are up: start the run",
         f"{flwr_env} {fc.shell(_bare(fc.run_argv(app_folder(run).resolve())))}",
         f"# the run folder {run.path.resolve()} fills as it trains; report.md at the end",
+        "# if the server dies: start the SuperLink and nodes again (2.-3.), then run what "
+        f"`fedvox deploy resume {run.path} --command-only` prints",
     ]
     return lines
 
