@@ -549,7 +549,11 @@ CONC_BASE: dict[str, Any] = {
     "federated.pack_clients": True,
     "federated.delay": "half_normal",
     "federated.reconstruction.split": "all",
-    "federated.reconstruction.public_speakers": 300,
+    # the negatives are recomputed for every model version: FedBuff makes one per K trips
+    # and FedAsync one per trip, so 100 speakers x 1 chunk (the gain study's 300 x 2 would
+    # cost FedAsync ~15 trips of compute per trip)
+    "federated.reconstruction.public_speakers": 100,
+    "federated.reconstruction.public_chunks": 1,
     "federated.server_steps": CONC_TRIPS,
     "federated.eval_every": CONC_TRIPS // CONC_EVALS,
     "federated.checkpoint_every": CONC_TRIPS // CONC_EVALS,
@@ -638,7 +642,8 @@ STUDIES["fedbuff-concurrency"] = Study(
     references=("public-only", "pooled-oracle"),
     notes=(
         f"The two-domain world with {CONC_DEVICES:,} training devices (3-12 recordings "
-        "each), 200 held-out devices (the trials), 300 public speakers. Every federated arm "
+        "each), 200 held-out devices (the trials), 300 public speakers (100 of them, one "
+        "chunk each, are the local speakers' negatives). Every federated arm "
         "fine-tunes the public-only model with local speakers (one local epoch of SGD at lr "
         f"0.01, batch 8) for {CONC_TRIPS:,} client trips, with half-normal trip delays (mean "
         "60 virtual s). FedAvgM: server SGD with momentum 0.9, lr swept over "
