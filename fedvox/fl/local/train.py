@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from fedvox.errors import ConfigError
+from fedvox.fl.aggregation import finite_rows
 from fedvox.fl.local.config import ClientConfig, ClientResults, ReconConfig
 from fedvox.fl.local.lowrank import lowrank_plan, train_lowrank
 from fedvox.fl.local.reconstruct import init_locals, reconstruct_one, reconstruct_stacked
@@ -173,9 +174,8 @@ def train_clients_recon(
 
     delta, loss_sum, index = fill_units(shard_units(units, cfg.shard), starts[0], train_unit)
     n = len(index)
-    finite = torch.ones(n, dtype=torch.bool)
-    for t in delta.values() if n else ():  # an empty shard has no rows to check
-        finite &= torch.isfinite(t.reshape(n, -1)).all(1).cpu()
+    # per row, without a temporary the size of the stacked deltas
+    finite = finite_rows(delta, torch.ones(n, device=device)).cpu()
     kept = n_examples[index]
     loss = loss_sum / kept.clamp_min(1).to(loss_sum)
     return ClientResults(delta, torch.where(finite, kept, 0), loss, index=_index(cfg, index))
