@@ -416,7 +416,8 @@ def repro(
     study: Annotated[
         str,
         typer.Argument(
-            help="federated-gain | fedrecon-speakers | dp-utility | robustness (see docs/studies.md)."
+            help="federated-gain | fedrecon-speakers | dp-utility | robustness | "
+            "fedbuff-concurrency | dp-scale (see docs/studies.md)."
         ),
     ],
     out_dir: Annotated[
@@ -444,6 +445,16 @@ def repro(
       fedvox repro federated-gain
       fedvox repro federated-gain --arm ft-fedavg   (public-only first)
       fedvox repro federated-gain --set data.world.train_devices=500
+
+    fedbuff-concurrency counts client trips to a common target EER for
+    FedAvgM, FedBuff (K = 10) and FedAsync at 10, 100 and 1,000 devices in
+    flight on a 10,000-device world (the FedBuff paper's Figure 1);
+    dp-scale puts ε = 8 and 4 on the same world. Both are many hours on
+    two cores; a quick look on a small world, two hours:
+
+      fedvox repro fedbuff-concurrency --set data.world.train_devices=1000
+        --set federated.server_steps=2000 --set federated.eval_every=200
+        --set federated.checkpoint_every=200 --arm fedbuff-c100 ...
     """
     from fedvox.experiment.config import parse_override
     from fedvox.experiment.repro import run_study
