@@ -96,7 +96,7 @@ def test_set_determinism_applies_what_it_records(monkeypatch: pytest.MonkeyPatch
         torch.set_num_threads(threads)
 
 
-def test_the_config_hash_ignores_the_default_device_workers_and_the_backend() -> None:
+def test_the_config_hash_ignores_the_default_device_workers_packing_and_the_backend() -> None:
     import hashlib
     import json
 
@@ -105,9 +105,11 @@ def test_the_config_hash_ignores_the_default_device_workers_and_the_backend() ->
     del d["train"]["device"]
     del d["train"]["workers"]
     d["federated"].pop("backend", None)
+    del d["federated"]["pack_clients"]
     old = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert cfg.hash() == old  # run folders from before these fields keep their hash
     assert config_from_dict({"federated": {}, "train": {"device": "cuda"}}).hash() != old
+    assert config_from_dict({"federated": {"pack_clients": True}}).hash() != old  # other bits
     one = config_from_dict({})
     assert config_from_dict({"train": {"workers": 2}}).hash() != one.hash()  # decides bits
 
