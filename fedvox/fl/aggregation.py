@@ -57,7 +57,7 @@ def finite_rows(deltas: Params, weights: Tensor) -> Tensor:
     """
     ok = torch.isfinite(weights.to(torch.float64))
     for d in deltas.values():
-        flat = d.reshape(d.shape[0], -1)
+        flat = d.reshape(d.shape[0], math.prod(d.shape[1:]))  # also for 0 rows
         # in blocks of rows: sum(dtype=float64) casts its whole input first, a temporary of
         # twice the stacked deltas (2.3 GB for a cohort of 1,000 xvector-tiny updates)
         rows = max(1, FINITE_BLOCK_BYTES // max(8 * flat.shape[1], 1))
