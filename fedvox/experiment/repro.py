@@ -683,7 +683,7 @@ def _dp_delta(s: Mapping[str, Any]) -> float:
 
 def _least_z(mechanism: str, target: float) -> Callable[[Mapping[str, Any]], float]:
     """The arm's noise multiplier: the least z whose planned ε (at the arm's δ, steps and
-    sampling) is within `target`, rounded up to 3 significant digits."""
+    sampling) is within `target`, rounded UP to 3 significant digits (still within)."""
 
     def rule(s: Mapping[str, Any]) -> float:
         from fedvox.experiment.privacy import least_noise_multiplier, planned_epsilon
@@ -695,7 +695,8 @@ def _least_z(mechanism: str, target: float) -> Callable[[Mapping[str, Any]], flo
         z = least_noise_multiplier(
             lambda z: planned_epsilon(mechanism, delta, z, steps, cohort, n), target
         )
-        return float(f"{z * 1.001:.3g}") if z < 100 else math.ceil(z)
+        step = 10.0 ** (math.floor(math.log10(z)) - 2)  # 3 significant digits, rounded up
+        return round(math.ceil(z / step) * step, 12)
 
     return rule
 
