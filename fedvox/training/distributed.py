@@ -81,8 +81,11 @@ def barrier(w: Workers) -> None:
 
 
 def shutdown(w: Workers) -> None:
-    """Leave the process group."""
+    """Leave the process group, all workers together: a worker that tore its gloo pairs down
+    while rank 0 was still evaluating was seen to abort (SIGABRT, "terminate called without an
+    active exception"), failing the run."""
     if w.distributed and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
