@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from fedvox.cli import app
 from fedvox.experiment import compare
 from fedvox.experiment.repro import (
+    CONC_BROADCAST_TRIPS,
     CONC_BUFFER,
     CONC_DEVICES,
     CONC_FEDAVGM_LRS,
@@ -40,6 +41,17 @@ def test_every_arm_spends_the_same_client_trips(sets: dict) -> None:
     budget = sets.get("federated.server_steps", CONC_TRIPS)
     fed = {n: c for n, c in cfgs.items() if c.federated is not None}
     assert {n: _trips(c) for n, c in fed.items()} == dict.fromkeys(fed, budget)
+    # the broadcast is recomputed every CONC_BROADCAST_TRIPS trips in every arm (at least
+    # once per version: FedAvg at C >= 100 and FedBuff K = 100 refresh every step)
+    every = {
+        n: max(_trips(c) // c.federated.server_steps, 1)
+        * c.federated.reconstruction.broadcast_every
+        for n, c in fed.items()
+    }
+    assert every == {
+        n: max(CONC_BROADCAST_TRIPS, _trips(c) // c.federated.server_steps) for n, c in fed.items()
+    }
+    assert fed["fedasync-c10"].federated.reconstruction.broadcast_every == CONC_BROADCAST_TRIPS
     assert len({c.data.world for c in cfgs.values()}) == 1
     assert next(iter(cfgs.values())).data.world.train_devices == CONC_DEVICES
     for c in fed.values():

@@ -168,6 +168,10 @@ def _cfg(**federated: object):
         ({"privacy": {"mechanism": "dp_ftrl"}}, "federated.privacy.mechanism"),
         ({"attack": {"fraction": 0.1}}, "federated.attack.fraction"),
         ({"compression": {"kind": "float16"}}, "federated.compression.kind"),
+        (
+            {"speakers": "local", "reconstruction": {"broadcast_every": 10}},
+            "federated.reconstruction.broadcast_every",
+        ),
     ],
 )
 def test_what_a_deployed_run_cannot_do_yet_is_refused_by_field(federated, field) -> None:

@@ -608,6 +608,12 @@ class ReconstructionSection(_Strict):
     cluster_min_devices: int = Field(
         10, ge=1, description="clusters with fewer panel devices are dropped (never revealed)"
     )
+    broadcast_every: int = Field(
+        1,
+        ge=1,
+        description="model versions between recomputing the broadcast (public negatives, "
+        "domain centre, cluster centroids); the versions in between carry the last one",
+    )
 
     def recon_config(self) -> ReconConfig:
         """The engine's ReconConfig: closed-form enrollment, then `steps` SGD epochs."""
@@ -908,8 +914,9 @@ class ExperimentConfig(_Strict):
 
         Over what decides the bits: federated.backend (where client training runs: the same
         bits on any backend) is left out, and so are train.device when it is the default
-        "cpu", train.workers when it is 1 and federated.pack_clients when false, so configs
-        from before these fields keep their hash."""
+        "cpu", train.workers when it is 1, federated.pack_clients when false and
+        reconstruction.broadcast_every when 1, so configs from before these fields keep their
+        hash."""
         d = self.to_dict()
         if d["train"].get("device") == "cpu":
             del d["train"]["device"]
@@ -919,6 +926,9 @@ class ExperimentConfig(_Strict):
             d["federated"].pop("backend", None)
             if d["federated"].get("pack_clients") is False:
                 del d["federated"]["pack_clients"]
+            recon = d["federated"].get("reconstruction") or {}
+            if recon.get("broadcast_every") == 1:
+                del recon["broadcast_every"]
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

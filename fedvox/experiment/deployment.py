@@ -76,6 +76,10 @@ def check_deployable(cfg: ExperimentConfig) -> None:
             f.compression.kind != "none",
             'compression would run on the server, not the devices; set "none"',
         ),
+        "federated.reconstruction.broadcast_every": (
+            f.reconstruction.broadcast_every != 1,
+            "the deployed server computes every version's broadcast; set 1",
+        ),
     }
     for field, (bad, fix) in refusals.items():
         if bad:

@@ -49,8 +49,8 @@ from fedvox.tasks.speakers import (
     SpeakerReconTask,
     SpeakerTask,
     Spreadout,
-    make_speaker_recon_update,
     make_version_broadcast,
+    received_broadcast_update,
     speaker_population,
 )
 from fedvox.training.centralised import set_determinism
@@ -175,6 +175,8 @@ def build_setup(cfg: ExperimentConfig, data: PreparedData) -> FederatedSetup:
             noise=privacy.noise,
             client_update=client_update,
             extra_bytes_down=extra_bytes_down,
+            broadcast=broadcast,
+            broadcast_every=f.reconstruction.broadcast_every,
         )
     setup.simulator = sim
     return setup
@@ -341,9 +343,9 @@ def _local_speakers(
                 panel_of(r.cluster_panel), r.device_clusters, r.cluster_min_devices
             )
         extra_down += 4 * task.emb_dim * r.device_clusters
-    update = make_speaker_recon_update(
-        public, r.recon_config(), centre_panel=panel, clusters=clusters
-    )
+    # the simulator computes each version's broadcast as the server would (refreshed every
+    # `broadcast_every` versions) and the devices' update receives it with the params
+    update = received_broadcast_update(r.recon_config())
     broadcast = make_version_broadcast(task, public, centre_panel=panel, clusters=clusters)
     return task, population, update, extra_down, broadcast
 

@@ -538,6 +538,9 @@ CONC_FEDAVGM_LRS = (0.0025, 0.005, 0.01)
 CONC_FEDBUFF_LR = 0.025
 # FedAsync: one update per step mixed in at CONC_ASYNC_ALPHA (the same step per update).
 CONC_ASYNC_ALPHA = 0.0025
+# client trips between two computations of the broadcast, in every arm (FedAvg at C >= 100:
+# every round; FedBuff K = 10: every 10th version; FedAsync: every 100th)
+CONC_BROADCAST_TRIPS = 100
 CONC_BASE: dict[str, Any] = {
     **WORLD_BASE,
     "data.world.train_devices": CONC_DEVICES,
@@ -549,11 +552,12 @@ CONC_BASE: dict[str, Any] = {
     "federated.pack_clients": True,
     "federated.delay": "half_normal",
     "federated.reconstruction.split": "all",
-    # the negatives are recomputed for every model version: FedBuff makes one per K trips
-    # and FedAsync one per trip, so 100 speakers x 1 chunk (the gain study's 300 x 2 would
-    # cost FedAsync ~15 trips of compute per trip)
+    # the server recomputes the broadcast (public negatives) once every CONC_BROADCAST_TRIPS
+    # client trips in every arm (a count of trips, turned into versions per arm), not per
+    # model version: FedAsync makes a version per trip, FedBuff one per K
     "federated.reconstruction.public_speakers": 100,
     "federated.reconstruction.public_chunks": 1,
+    "federated.reconstruction.broadcast_every": CONC_BROADCAST_TRIPS,
     "federated.server_steps": CONC_TRIPS,
     "federated.eval_every": CONC_TRIPS // CONC_EVALS,
     "federated.checkpoint_every": CONC_TRIPS // CONC_EVALS,
@@ -582,7 +586,12 @@ def _trips_rule(key: str) -> Callable[[Mapping[str, Any]], int]:
 
 TRIPS_TO_STEPS = {
     k: _trips_rule(k)
-    for k in ("federated.server_steps", "federated.eval_every", "federated.checkpoint_every")
+    for k in (
+        "federated.server_steps",
+        "federated.eval_every",
+        "federated.checkpoint_every",
+        "federated.reconstruction.broadcast_every",
+    )
 }
 
 

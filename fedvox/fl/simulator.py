@@ -91,8 +91,14 @@ class Simulator:
         summer: Summer | Combiner | None = None,
         noise: list[NoiseStage] | None = None,
         extra_bytes_down: int = 0,
+        broadcast: Callable[[Params], Params] | None = None,
+        broadcast_every: int = 1,
     ) -> None:
         _validate(population, algorithm, config)
+        if broadcast_every < 1:
+            raise ConfigError(
+                "broadcast_every", f"must be >= 1, got {broadcast_every}", "use 1 (every version)"
+            )
         self.task = task
         self.population = population
         self.algorithm = algorithm
@@ -100,6 +106,15 @@ class Simulator:
         self.config = config
         self.callback = callback
         self.client_update = client_update or plain_client_update
+        # What a version's requests carry beside its params (e.g. public negatives), computed
+        # by the server when a trip first starts from the version, and recomputed only once
+        # `broadcast_every` versions have passed since the last one: the versions in between
+        # carry that one (a server that refreshes a costly broadcast periodically).
+        self.broadcast = broadcast
+        self.broadcast_every = broadcast_every
+        self._broadcasts: dict[int, Params] = {}  # refresh version -> what it computed
+        self._broadcast_of: dict[int, int] = {}  # live version -> its refresh version
+        self._refreshed: int | None = None  # the last refresh version
         # The server holds only global parameters: a task with local (on-device) parameters
         # returns just the global ones from init_params, and the aggregator accepts no others.
         params = {n: t.detach().clone() for n, t in task.init_params().items()}
@@ -260,6 +275,8 @@ class Simulator:
             dropped = bool(drng.random() < self.config.dropout)
         version = self.server_step
         self.refs[version] = self.refs.get(version, 0) + 1
+        if self.broadcast is not None:
+            self._attach_broadcast(version)
         self.counters["bytes_down"] += self.bytes_down_per_trip
         self.in_flight[trip_id] = {
             "client": client,
@@ -305,6 +322,40 @@ class Simulator:
         if self.refs[version] == 0:
             del self.refs[version]
             del self.versions[version]
+            r = self._broadcast_of.pop(version, None)
+            if r is not None and r != self._refreshed and r not in self._broadcast_of.values():
+                del self._broadcasts[r]
+
+    def _attach_broadcast(self, version: int) -> None:
+        """Give `version` its broadcast: a fresh one once `broadcast_every` versions have
+        passed since the last, else the last one."""
+        if version in self._broadcast_of:
+            return
+        assert self.broadcast is not None
+        r = self._refreshed
+        if r is None or version < r or version - r >= self.broadcast_every:
+            self._broadcasts[version] = {
+                n: t.detach() for n, t in self.broadcast(self.versions[version]).items()
+            }
+            if r is None or version > r:
+                if r is not None and r not in self._broadcast_of.values():
+                    del self._broadcasts[r]
+                self._refreshed = version
+            r = version
+        self._broadcast_of[version] = r
+
+    def _sent(self, items: list[dict[str, Any]], starts: list[Params]) -> list[Params]:
+        """What each trip received: its version's params with the version's broadcast (one
+        dict per version, so clients of one version share it)."""
+        if self.broadcast is None:
+            return starts
+        merged: dict[int, Params] = {}
+        for it in items:
+            v = it["version"]
+            if v not in merged:
+                self._attach_broadcast(v)  # a checkpoint from before broadcasts were kept
+                merged[v] = {**self.versions[v], **self._broadcasts[self._broadcast_of[v]]}
+        return [merged[it["version"]] for it in items]
 
     def _trip_record(self, trip: dict[str, Any], time: float, status: str, **kw: Any) -> TripRecord:
         return TripRecord(
@@ -370,7 +421,8 @@ class Simulator:
         items, self.pending = self.pending, []
         jobs = [(it["client"], it["trip"]) for it in items]
         starts = [self.versions[it["version"]] for it in items]
-        results = self.client_update(self.task, self.population, jobs, starts, self.client)
+        sent = self._sent(items, starts)
+        results = self.client_update(self.task, self.population, jobs, sent, self.client)
         staleness = torch.tensor([it["staleness"] for it in items], dtype=torch.float64)
         weights = self.algorithm.client_weights(results.num_examples, staleness)
         try:
@@ -464,6 +516,11 @@ class Simulator:
             "events": copy.deepcopy(self.events.state_dict()),
             "algorithm": self.algorithm.state_dict(),
             "aggregator": self.aggregator.state_dict(),
+            "broadcasts": {
+                r: {n: t.clone() for n, t in b.items()} for r, b in self._broadcasts.items()
+            },
+            "broadcast_of": dict(self._broadcast_of),
+            "refreshed": self._refreshed,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -485,6 +542,13 @@ class Simulator:
         self.events.load_state_dict(copy.deepcopy(state["events"]))
         self.algorithm.load_state_dict(state["algorithm"])
         self.aggregator.load_state_dict(state["aggregator"])
+        self._broadcasts = {
+            int(r): {n: t.clone() for n, t in b.items()}
+            for r, b in state.get("broadcasts", {}).items()
+        }
+        self._broadcast_of = {int(v): int(r) for v, r in state.get("broadcast_of", {}).items()}
+        refreshed = state.get("refreshed")
+        self._refreshed = None if refreshed is None else int(refreshed)
 
 
 def _validate(population: Population, algorithm: Algorithm, config: SimulatorConfig) -> None:

@@ -70,12 +70,7 @@ def make_speaker_recon_update(
     centroids of a spherical k-means of a device panel's embeddings (domain_clusters), so a
     direction that devices share without sharing a speaker (their channel) is penalised.
     """
-    if not recon.closed_form:
-        raise ConfigError(
-            "reconstruction.closed_form",
-            "speaker prototypes are enrolled in closed form (the mean support embedding)",
-            "set closed_form = true (steps = 0, or a few refinement steps)",
-        )
+    received = received_broadcast_update(recon)  # refuses a recon config it cannot train
     if cache_size < 1:
         raise ConfigError("cache_size", f"must be >= 1, got {cache_size}", "use e.g. 256")
     cache: OrderedDict[int, tuple[weakref.ref, dict[str, Tensor]]] = OrderedDict()
@@ -89,7 +84,7 @@ def make_speaker_recon_update(
     ) -> ClientResults:
         _check_recon_inputs(task, population)
         if task.negatives != "public":
-            return train_clients_recon(task, population, jobs, starts, cfg, recon)
+            return received(task, population, jobs, starts, cfg)
         if public is None:
             raise ConfigError(
                 "public", "negatives = 'public' but no public speakers were given", "pass one"
@@ -110,10 +105,7 @@ def make_speaker_recon_update(
                 cache.move_to_end(key)
                 merged[key] = {**st, **hit[1]}
             sent.append(merged[key])
-        results = train_clients_recon(task, population, jobs, sent, cfg, recon)
-        for name in (NEGATIVES, DOMAIN_CENTRE):
-            results.delta.pop(name, None)
-        return results
+        return received(task, population, jobs, sent, cfg)
 
     return client_update
 
