@@ -1,7 +1,8 @@
 """Benchmark: the concurrency study's population — 10,000 world-sized devices, C = 1,000.
 
 Issue 15's population check on the study's own engine path: Federated Reconstruction with
-local speakers and public negatives (make_speaker_recon_update), xvector-tiny with
+local speakers and public negatives (the server's broadcast, recomputed every 100 trips as in
+the study: --broadcast-every versions to change it), xvector-tiny with
 LayerNorm, one local epoch of batch 8, packed cohorts, half-normal delays, FedBuff K = 10 or
 FedAvg (a cohort of C per round). The devices have the shapes of the study world
 (fedvox repro fedbuff-concurrency): 3-12 recordings each (log-uniform), 2-4 s, cut into fixed
@@ -47,7 +48,8 @@ from fedvox.records import ServerStepRecord
 from fedvox.tasks.speakers import (
     PublicStore,
     SpeakerReconTask,
-    make_speaker_recon_update,
+    make_version_broadcast,
+    received_broadcast_update,
     speaker_population,
 )
 from fedvox.tasks.speakers import update as speaker_update
@@ -98,7 +100,9 @@ def run(args: argparse.Namespace) -> None:
         return out
 
     speaker_update.public_prototypes = timed_negatives
-    update = make_speaker_recon_update(public, ReconConfig(steps=0, closed_form=True, split="all"))
+    update = received_broadcast_update(ReconConfig(steps=0, closed_form=True, split="all"))
+    per_step = args.buffer if args.algorithm == "fedbuff" else args.concurrency
+    every = args.broadcast_every or max(1, 100 // per_step)  # the study's 100 trips
     algorithm = (
         FedBuff(args.buffer, ServerSGD(0.025))
         if args.algorithm == "fedbuff"
@@ -120,6 +124,8 @@ def run(args: argparse.Namespace) -> None:
         ),
         client_update=update,
         callback=on_record,
+        broadcast=make_version_broadcast(task, public),
+        broadcast_every=every,
     )
     start = time.perf_counter()
     sim.run(max_server_steps=args.steps)
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> None:
         f"world population {args.algorithm} ({args.devices:,} devices, {int(sizes.sum()):,} "
         f"chunks, {sizes.mean():.1f} per device; C={args.concurrency}"
         + (f", K={args.buffer}" if args.algorithm == "fedbuff" else "")
-        + f"; {args.public_speakers} public negatives): {statistics.median(per_trip):.4f} s/trip "
+        + f"; {args.public_speakers} public negatives every {every} versions): {statistics.median(per_trip):.4f} s/trip "
         f"median over {len(per_trip)} server steps ({stamps[-1][0]:,} trips in {wall:.1f} s), "
         f"negatives {100 * statistics.median(neg_share):.1f} % of a step, "
         f"{args.threads} thread(s); peak RSS {peak:.0f} MB = feature store "
@@ -155,6 +161,12 @@ def main() -> None:
     ap.add_argument("--buffer", type=int, default=10, help="FedBuff K")
     ap.add_argument("--steps", type=int, default=30, help="server steps to run")
     ap.add_argument("--public-speakers", type=int, default=100)
+    ap.add_argument(
+        "--broadcast-every",
+        type=int,
+        default=0,
+        help="versions between recomputing the negatives (0: every 100 trips, as the study)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     run(ap.parse_args())
 
