@@ -9,9 +9,10 @@ the same per trip. Evaluations and checkpoints of a real run are not included.
 
 Per-trip wall time: when the update trains clients one at a time (xvector-small is over
 fl/local/steps.py's SOLO_BYTES, so the study's does), each job of a cohort is passed to the
-same update on its own — the same computation, and the version's public negatives are still
-computed once (memoised per version), so the first trip of a cohort carries them. Otherwise
-(vectorised cohorts) every trip is charged an equal share of its cohort's call.
+same update on its own — the same computation. Otherwise (vectorised cohorts) every trip is
+charged an equal share of its cohort's call. The server's broadcast (public negatives, once
+per `broadcast_every` versions) is computed by the simulator when a trip starts, outside the
+client update: it is in the breakdown and in "with the server" s/trip, not in the median.
 
 Breakdown: exclusive wall time of named steps of the local-training core and the server
 (the innermost named step gets the time; what no step claims is "other"), measured on the
