@@ -19,8 +19,10 @@ from fedvox.experiment.repro import (
     CONC_DEVICES,
     CONC_FEDAVGM_LRS,
     CONC_LEVELS,
+    CONC_TARGET_SHARE,
     CONC_TRIPS,
     STUDIES,
+    _fedbuff_ratios,
     add_trips_to_target,
     arm_config,
 )
@@ -97,13 +99,26 @@ def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
     ]
     target = add_trips_to_target(rows)
     by = {r["arm"]: r for r in rows}
-    assert target == pytest.approx(0.23)  # the worst best EER of the three lines (FedAsync)
+    # half the way from public-only's 0.30 to the best line's best (avg-hi, 0.21)
+    assert target == pytest.approx(0.30 - CONC_TARGET_SHARE * (0.30 - 0.21))
+    assert CONC_TARGET_SHARE == 0.5
     assert [n for n, r in by.items() if r.get("on_line")] == ["avg-hi", "buff", "async"]
-    assert by["avg-hi"]["trips_to_target"] == pytest.approx(100 + 100 * (0.24 - 0.23) / 0.02)
-    assert by["buff"]["trips_to_target"] == pytest.approx(100.0)
-    assert by["async"]["trips_to_target"] == pytest.approx(300.0)
+    assert by["avg-hi"]["trips_to_target"] == pytest.approx(100 * 0.045 / 0.06)
+    assert by["buff"]["trips_to_target"] == pytest.approx(50 * 0.045 / 0.05)
+    assert by["async"]["trips_to_target"] == pytest.approx(100 + 100 * 0.015 / 0.03)
+    assert by["avg-lo"]["trips_to_target"] == pytest.approx(250.0)
     assert by["buff-k100"]["trips_to_target"] is None  # never reached: reported, not a line
     assert "trips_to_target" not in by["public-only"]
+    assert _fedbuff_ratios(rows) == f"C=100: {75 / 45:.2f}x"
+    # without the public-only row: the worst of the lines' best EERs (every line reaches it)
+    assert add_trips_to_target(rows[1:]) == pytest.approx(0.23)
+    # FedAvgM short of the target: its budget over FedBuff's trips is a lower bound
+    curves["avg-hi"] = _curve("avg-hi", [0, 100, 200, 300], [0.30, 0.29, 0.28, 0.27])
+    curves["avg-lo"] = _curve("avg-lo", [0, 100, 200, 300], [0.30, 0.29, 0.285, 0.28])
+    add_trips_to_target(rows)
+    assert by["avg-hi"]["on_line"] and by["avg-hi"]["trips_to_target"] is None
+    got = _fedbuff_ratios(rows)
+    assert got.startswith("C=100: >") and float(got.split(">")[1][:-1]) > 300 / 50
 
 
 def test_concurrency_study_end_to_end_on_a_tiny_world(tmp_path: Path) -> None:
@@ -136,8 +151,13 @@ def test_concurrency_study_end_to_end_on_a_tiny_world(tmp_path: Path) -> None:
     assert set(rows) == {"public-only", *arms}  # the arms start from the public-only model
     for a in arms:
         assert rows[a]["trips"] == 20 and rows[a]["on_line"]
-        assert rows[a]["target_eer"] == max(rows[b]["best_eer"] for b in arms)
-        assert rows[a]["trips_to_target"] is not None  # the target is every line's reach
+        start, best = rows["public-only"]["eer"], min(rows[b]["best_eer"] for b in arms)
+        want = (
+            start - CONC_TARGET_SHARE * (start - best)
+            if best < start
+            else max(rows[b]["best_eer"] for b in arms)
+        )
+        assert rows[a]["target_eer"] == pytest.approx(want)
     md = (out / "study.md").read_text()
     assert "Common target EER" in md and "| trips to target |" in md
     assert (out / "trips_vs_concurrency.png").stat().st_size > 0
