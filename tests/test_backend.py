@@ -23,8 +23,20 @@ def _embeddings(n_spk: int = 6, per: int = 5, dim: int = 8) -> tuple[np.ndarray,
 def test_train_subset_takes_every_speaker_before_a_second_utterance() -> None:
     utts = ["a2", "a1", "b1", "b2", "c1"]
     spks = ["a", "a", "b", "b", "c"]
-    assert train_subset(utts, spks, 3) == [1, 2, 4]  # a1, b1, c1
+    assert train_subset(utts, spks, 4) == [0, 1, 2, 4]  # a1, b1, c1, then a2
     assert train_subset(utts, spks, 99) == [0, 1, 2, 3, 4]
+
+
+def test_train_subset_keeps_two_utterances_a_speaker_when_speakers_outnumber_it() -> None:
+    # 10,000 one-speaker devices and a 4,000-utterance subset left every speaker with one
+    # utterance, and PLDA refused the run; now an even half of the budget's speakers, two each
+    spks = [f"s{i:02d}" for i in range(10) for _ in range(3)]
+    utts = [f"{s}-{j}" for i, s in enumerate(spks) for j in [i % 3]]
+    got = train_subset(utts, spks, 4)
+    assert [spks[i] for i in got] == ["s00", "s00", "s09", "s09"]
+    assert [spks[i] for i in train_subset(utts, spks, 3)] == ["s00"] * 3  # one speaker
+    x = np.random.default_rng(0).normal(size=(len(spks), 4))
+    fit_backend(x[got], [spks[i] for i in got], BackendConfig(backends=("plda",), lda_dim=2))
 
 
 def test_fit_backend_fits_only_the_back_ends_it_will_score() -> None:

@@ -25,12 +25,18 @@ def train_subset(utts: list[str], speakers: list[str], max_utts: int) -> list[in
     """Indices of at most `max_utts` training utterances, spread evenly over speakers.
 
     Round-robin over speakers (each speaker's utterances in sorted order) so the mean, the
-    AS-norm cohort and PLDA see every speaker; deterministic, no randomness needed.
+    AS-norm cohort and PLDA see every speaker; deterministic, no randomness needed. With at
+    least max_utts speakers (every one would give one utterance, and PLDA cannot estimate
+    within-speaker variability from those), an evenly spaced max_utts / 2 of them (in sorted
+    order), two utterances each where they have them.
     """
     by_spk: dict[str, list[int]] = {}
     for i, s in enumerate(speakers):
         by_spk.setdefault(s, []).append(i)
     queues = [sorted(v, key=lambda i: utts[i]) for _, v in sorted(by_spk.items())]
+    keep = max(1, max_utts // 2)
+    if len(queues) >= max_utts > 1:
+        queues = [queues[i] for i in np.linspace(0, len(queues) - 1, keep).round().astype(int)]
     out: list[int] = []
     depth = 0
     while len(out) < max_utts and any(depth < len(q) for q in queues):
