@@ -35,8 +35,15 @@ def test_train_subset_keeps_two_utterances_a_speaker_when_speakers_outnumber_it(
     got = train_subset(utts, spks, 4)
     assert [spks[i] for i in got] == ["s00", "s00", "s09", "s09"]
     assert [spks[i] for i in train_subset(utts, spks, 3)] == ["s00"] * 3  # one speaker
-    x = np.random.default_rng(0).normal(size=(len(spks), 4))
-    fit_backend(x[got], [spks[i] for i in got], BackendConfig(backends=("plda",), lda_dim=2))
+    # 40 speakers, a subset of 20: ten of them, two each, and PLDA fits on it
+    spks = [f"s{i:02d}" for i in range(40) for _ in range(3)]
+    utts = [f"{s}-{j % 3}" for j, s in enumerate(spks)]
+    got = train_subset(utts, spks, 20)
+    counts = {s: [spks[i] for i in got].count(s) for s in {spks[i] for i in got}}
+    assert len(counts) == 10 and set(counts.values()) == {2}
+    x = np.random.default_rng(0).normal(size=(len(spks), 8))
+    plda = fit_backend(x[got], [spks[i] for i in got], BackendConfig(("plda",), 4, 4, 20))
+    assert plda.plda is not None
 
 
 def test_fit_backend_fits_only_the_back_ends_it_will_score() -> None:
