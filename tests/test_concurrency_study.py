@@ -161,3 +161,11 @@ def test_concurrency_study_end_to_end_on_a_tiny_world(tmp_path: Path) -> None:
     md = (out / "study.md").read_text()
     assert "Common target EER" in md and "| trips to target |" in md
     assert (out / "trips_vs_concurrency.png").stat().st_size > 0
+
+
+def test_gap_closed_is_left_empty_when_the_oracle_is_not_better() -> None:
+    from fedvox.experiment.repro import gap_closed
+
+    assert gap_closed(0.17, 0.18, 0.08) == pytest.approx(0.1)
+    # an oracle that did not learn (10,000 classes, too few steps): no gap, no ratio
+    assert gap_closed(0.17, 0.18, 0.35) is None and gap_closed(0.17, 0.18, 0.18) is None

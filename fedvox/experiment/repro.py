@@ -1028,9 +1028,10 @@ def _virtual_hours(folder: Path) -> float | None:
 
 def gap_closed(eer: float, eer_public: float, eer_oracle: float) -> float | None:
     """(EER_public − EER) / (EER_public − EER_oracle): 0 at the public-only model, 1 at the
-    pooled oracle; None when the two references have the same EER (no gap to close)."""
+    pooled oracle; None when the oracle is not better (no gap to close: a ratio would say
+    the opposite of what happened)."""
     span = eer_public - eer_oracle
-    return None if span == 0 else (eer_public - eer) / span
+    return None if span <= 0 else (eer_public - eer) / span
 
 
 def add_gap_closed(rows: list[dict], references: tuple[str, str] | None) -> bool:
@@ -1304,7 +1305,7 @@ def run_study(
         if oracle["eer"] >= public["eer"]:
             lines += [
                 f"Note: the oracle ({oracle['arm']}) is not better than {public['arm']} here, "
-                "so there is no gap to close and the gap-closed column means nothing.",
+                "so there is no gap to close and the gap-closed column is left empty.",
                 "",
             ]
         _plot_references(rows, refs, "trips", "client trips", out / "gain_vs_trips.png")
