@@ -537,8 +537,13 @@ CONC_MOMENTUM = 0.9
 # FedAvgM's server lr, swept per concurrency (the study records every point; the line of
 # Figure 1 takes the best per C). With momentum 0.9 a step moves ~10x its lr; 0.01 learned
 # at C = 100 in the sweep (18.25 -> 16.79 % in 2,000 trips, still falling), so points
-# above it: an average of C updates is less noisy, and at C = 1,000 the budget is 5 rounds.
-CONC_FEDAVGM_LRS = (0.01, 0.03, 0.1)
+# above it; an average of C updates is less noisy and at C = 1,000 the budget is 5 rounds,
+# so that grid moves up one point (0.1 was still the best of 0.03 / 0.1 there, at its edge).
+CONC_FEDAVGM_LRS: dict[int, tuple[float, ...]] = {
+    10: (0.01, 0.03, 0.1),
+    100: (0.01, 0.03, 0.1),
+    1000: (0.03, 0.1, 0.3),
+}
 # FedBuff: plain server SGD at lr CONC_FEDBUFF_LR per K = 10 updates (0.005 per update: the
 # federated-gain study's gain-clusters-hi step, 0.1 per cohort of 20); the K sweep keeps
 # that step per update (lr x K / 10).
@@ -649,7 +654,7 @@ CONC_ARMS = (
         arm
         for c in CONC_LEVELS
         for arm in (
-            *(_conc_arm("fedavgm", c, lr) for lr in CONC_FEDAVGM_LRS),
+            *(_conc_arm("fedavgm", c, lr) for lr in CONC_FEDAVGM_LRS[c]),
             _conc_arm("fedbuff", c),
             _conc_arm("fedasync", c),
         )
@@ -673,7 +678,11 @@ STUDIES["fedbuff-concurrency"] = Study(
         "fine-tunes the public-only model with local speakers (one local epoch of SGD at lr "
         f"0.02, batch 8) for {CONC_TRIPS:,} client trips, with half-normal trip delays (mean "
         "60 virtual s). FedAvgM: server SGD with momentum 0.9, lr swept over "
-        f"{', '.join(f'{x:g}' for x in CONC_FEDAVGM_LRS)} per C (decaying to 0.4x); FedBuff: "
+        + "; ".join(
+            f"{', '.join(f'{x:g}' for x in lrs)} at C = {c:,}"
+            for c, lrs in CONC_FEDAVGM_LRS.items()
+        )
+        + " (decaying to 0.4x); FedBuff: "
         f"K = {CONC_BUFFER}, plain server SGD lr {CONC_FEDBUFF_LR:g} (x K / 10 in the K "
         f"sweep); FedAsync: mixing weight {CONC_ASYNC_ALPHA:g}, sqrt staleness. Target: "
         f"{CONC_TARGET_SHARE:g} of the way from public-only's EER to the best line's best "
