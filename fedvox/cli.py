@@ -449,9 +449,10 @@ def repro(
     fedbuff-concurrency counts client trips to a common target EER for
     FedAvgM, FedBuff (K = 10) and FedAsync at 10, 100 and 1,000 devices in
     flight on a 10,000-device world (the FedBuff paper's Figure 1);
-    dp-scale puts ε = 8 and 4 on the same world. Both take hours on two
-    cores (the world alone ~30 min); a quick look on a small world, about
-    5 minutes an arm (C = 1,000 needs the full world):
+    dp-scale puts ε = 8 and 4 on the same world. The first takes about
+    2 h 15 min with two arms side by side on two cores (the world ~15 min),
+    dp-scale longer; a quick look on a small world, about 5 minutes an arm
+    (C = 1,000 needs the full world):
 
       fedvox repro fedbuff-concurrency --set data.world.train_devices=1000
         --set federated.server_steps=2000 --set federated.eval_every=200
