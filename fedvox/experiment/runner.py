@@ -6,6 +6,8 @@ Used by `fedvox train`, `fedvox demo` and `fedvox resume`; everything lands in a
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -308,6 +310,13 @@ def train_worker(cfg: ExperimentConfig, resume_from: Path | None = None) -> None
             set_determinism(cfg.train.threads, cfg.train.device)
     train(state, centralised_config(cfg), progress=False, workers=workers)
     shutdown(workers)
+    # A worker writes nothing, so nothing is left to flush but stdio; leaving without the
+    # interpreter's teardown skips the C++ destructors that aborted rank 1 in CI after the
+    # group was left ("terminate called without an active exception": a joinable thread
+    # destroyed at exit), failing a run whose rank 0 had finished.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fresh_training(cfg: ExperimentConfig, data: PreparedData) -> TrainState:
