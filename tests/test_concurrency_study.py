@@ -25,6 +25,7 @@ from fedvox.experiment.repro import (
     _fedbuff_ratios,
     add_trips_to_target,
     arm_config,
+    study_order,
 )
 
 runner = CliRunner()
@@ -69,6 +70,22 @@ def test_every_arm_spends_the_same_client_trips(sets: dict) -> None:
         assert fed[f"fedavgm-c{c}-lr{grid[0]:g}"].federated.server_momentum > 0
     ks = {c.federated.buffer_size for n, c in fed.items() if n.startswith("fedbuff-c1000")}
     assert ks == {1, CONC_BUFFER, 100}
+
+
+@pytest.mark.parametrize("study", ["fedbuff-concurrency", "dp-scale"])
+def test_the_oracle_fine_tunes_the_public_model_and_runs_after_it(study: str) -> None:
+    s = STUDIES[study]
+    arms = {a.name: a for a in s.arms}
+    oracle = arm_config(s, arms["pooled-oracle"], {})
+    public = arm_config(s, arms["public-only"], {})
+    assert oracle.federated is None and oracle.train.init_from == "{arm:public-only}"
+    assert oracle.data.train == "world:devices" and public.data.train == "world:public"
+    assert oracle.train.lr < public.train.lr  # fine-tuning steps, not from-scratch ones
+    order = [a.name for a in study_order(s, [arms["pooled-oracle"]], {})]
+    assert order == ["public-only", "pooled-oracle"]
+    folders = {"public-only": Path("/runs/x/public-only")}
+    done = arm_config(s, arms["pooled-oracle"], {}, folders)
+    assert done.train.init_from == "/runs/x/public-only"
 
 
 def _curve(name: str, trips: list[float], eer: list[float]) -> compare.RunCurve:

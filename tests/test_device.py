@@ -104,6 +104,7 @@ def test_the_config_hash_ignores_the_default_device_workers_packing_and_the_back
     d = cfg.to_dict()
     del d["train"]["device"]
     del d["train"]["workers"]
+    del d["train"]["init_from"]
     d["federated"].pop("backend", None)
     del d["federated"]["pack_clients"]
     del d["federated"]["reconstruction"]["broadcast_every"]
@@ -115,6 +116,7 @@ def test_the_config_hash_ignores_the_default_device_workers_packing_and_the_back
     assert config_from_dict(stale).hash() != old
     one = config_from_dict({})
     assert config_from_dict({"train": {"workers": 2}}).hash() != one.hash()  # decides bits
+    assert config_from_dict({"train": {"init_from": "public"}}).hash() != one.hash()
 
 
 def _sim(update=None, algorithm: str = "fedavg", lowrank: bool | None = None) -> Simulator:

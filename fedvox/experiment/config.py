@@ -359,6 +359,13 @@ class TrainSection(_Strict):
         "`fedvox train` starts them through torchrun; each trains batch_size / workers "
         "examples a step on train.threads threads; bits repeat for the same value only",
     )
+    init_from: str | None = Field(
+        None,
+        description="fine-tune: start the extractor from a finished run folder (or its "
+        "model.pt) with the same model settings, the head's class vectors at each training "
+        "speaker's mean embedding under it (weight imprinting, so the first steps refine the "
+        "model instead of erasing it); None = random init from the seed",
+    )
     augment: AugmentSection = AugmentSection()
 
     @model_validator(mode="after")
@@ -914,7 +921,7 @@ class ExperimentConfig(_Strict):
 
         Over what decides the bits: federated.backend (where client training runs: the same
         bits on any backend) is left out, and so are train.device when it is the default
-        "cpu", train.workers when it is 1, federated.pack_clients when false and
+        "cpu", train.workers when it is 1, train.init_from when None, federated.pack_clients when false and
         reconstruction.broadcast_every when 1, so configs from before these fields keep their
         hash."""
         d = self.to_dict()
@@ -922,6 +929,8 @@ class ExperimentConfig(_Strict):
             del d["train"]["device"]
         if d["train"].get("workers") == 1:
             del d["train"]["workers"]
+        if d["train"].get("init_from", "") is None:
+            del d["train"]["init_from"]
         if d.get("federated"):
             d["federated"].pop("backend", None)
             if d["federated"].get("pack_clients") is False:
@@ -963,6 +972,14 @@ def config_from_dict(d: dict[str, Any], source: str | None = None) -> Experiment
             f"{cfg.train.workers}: data-parallel workers train centralised runs only",
             "leave train.workers = 1 in a federated run; its clients scale out through "
             '[federated.backend] kind = "ray"',
+            source,
+        )
+    if cfg.federated is not None and cfg.train.init_from is not None:
+        raise ConfigError(
+            "train.init_from",
+            "a federated run starts from federated.init_from; train.init_from is for "
+            "centralised runs",
+            "move the path to federated.init_from",
             source,
         )
     if cfg.federated is not None:

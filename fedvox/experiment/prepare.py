@@ -107,7 +107,8 @@ def training_corpus(train: Corpus, cfg: ExperimentConfig):
 
 @dataclass(frozen=True)
 class InitModel:
-    """The extractor a federated run starts from (federated.init_from) and its weights hash."""
+    """The extractor a run starts from (federated.init_from / train.init_from) and its
+    weights hash."""
 
     path: Path
     extractor: nn.Module
@@ -127,7 +128,7 @@ class PreparedData:
     corpus_dir: Path | None
     public: PublicStore | None = None  # the server's public speakers (negatives), if used
     public_train: PublicStore | None = None  # all of data.public, for server learning
-    init: InitModel | None = None  # federated.init_from, loaded and checked
+    init: InitModel | None = None  # federated.init_from / train.init_from, loaded and checked
     backend_corpus: Corpus | None = None  # data.backend: what the back end is fit on
     backend_feats: dict[str, np.ndarray] | None = None
 
@@ -229,15 +230,28 @@ def public_training_store(cfg: ExperimentConfig, progress: bool = False) -> Publ
     return public_store_from_features(feats, corpus.speaker_of, None, None, f.chunk_frames)
 
 
+def init_from_setting(cfg: ExperimentConfig) -> tuple[str, str] | None:
+    """(field, value) of the model the run starts from: federated.init_from for a federated
+    run, train.init_from for a centralised one; None when it starts from random weights."""
+    if cfg.federated is not None:
+        f = cfg.federated.init_from
+        return None if f is None else ("federated.init_from", f)
+    t = cfg.train.init_from
+    return None if t is None else ("train.init_from", t)
+
+
 def load_init_model(cfg: ExperimentConfig, feat_dim: int) -> InitModel:
-    """The model at federated.init_from (a run folder or a model file), refused unless it
-    rebuilds as this run's federated extractor (preset, norm, embedding layer, input size)."""
-    assert cfg.federated is not None and cfg.federated.init_from is not None
-    given = Path(cfg.federated.init_from)
+    """The model at federated.init_from / train.init_from (a run folder or a model file),
+    refused unless it rebuilds as this run's extractor (preset, norm, embedding layer, input
+    size)."""
+    setting = init_from_setting(cfg)
+    assert setting is not None
+    field, value = setting
+    given = Path(value)
     path = given / MODEL_FILE if given.is_dir() else given
     if not path.is_file():
         raise ConfigError(
-            "federated.init_from",
+            field,
             f"no model at {path}" + (" (the run has not finished)" if given.is_dir() else ""),
             f"point it at a finished run folder (with {MODEL_FILE}) or a model file, or "
             "finish that run first",
@@ -252,11 +266,11 @@ def load_init_model(cfg: ExperimentConfig, feat_dim: int) -> InitModel:
     diff = [f"{k} {info.get(k)!r} (this run: {v!r})" for k, v in want.items() if info.get(k) != v]
     if diff:
         raise ConfigError(
-            "federated.init_from",
+            field,
             f"{path} is not this run's extractor: {', '.join(diff)}",
-            "train the init model with this run's model.name, model.embedding_layer and "
-            '[features], and model.norm = "layer" (what federated runs use), or drop '
-            "federated.init_from",
+            "train the init model with this run's model.name, model.embedding_layer, "
+            'model.norm and [features] (federated runs use model.norm = "layer"), or drop '
+            f"{field}",
         )
     extractor = load_model(path)
     return InitModel(path, extractor, weights_hash(extractor))
@@ -264,7 +278,7 @@ def load_init_model(cfg: ExperimentConfig, feat_dim: int) -> InitModel:
 
 def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
     """Corpora → validated audio → features (through the cache) for train and test, the
-    server's public stores when the run uses them, and the model federated.init_from names."""
+    server's public stores when the run uses them, and the model the run starts from."""
     train, test, trials_path = resolve_corpora(cfg.data, progress)
     train.validate()
     test.validate()
@@ -287,6 +301,6 @@ def prepare(cfg: ExperimentConfig, progress: bool = True) -> PreparedData:
         data.public = public_store(cfg, progress)
     if f is not None and f.server_learning is not None:
         data.public_train = public_training_store(cfg, progress)
-    if f is not None and f.init_from is not None:
+    if init_from_setting(cfg) is not None:
         data.init = load_init_model(cfg, data.feat_dim)
     return data

@@ -285,7 +285,7 @@ def run_experiment(
         n_trials=len(data.trials),
         corpus_dir=str(data.corpus_dir) if data.corpus_dir else None,
     )
-    if data.init is not None:  # federated.init_from: which weights the run started from
+    if data.init is not None:  # federated/train.init_from: which weights the run started from
         run.update_manifest(
             init_from=str(data.init.path), init_weights_sha256=data.init.weights_sha256
         )
@@ -293,7 +293,8 @@ def run_experiment(
         run.update_manifest(train_workers=workers.world_size)
     if cfg.federated is not None:
         return _federated_and_finish(run, cfg, data, resume=False, progress=progress)
-    return _train_and_finish(run, cfg, data, _fresh_training(cfg, data), progress, workers)
+    state = _fresh_training(cfg, data, progress and workers.is_main)
+    return _train_and_finish(run, cfg, data, state, progress, workers)
 
 
 def train_worker(cfg: ExperimentConfig, resume_from: Path | None = None) -> None:
@@ -319,11 +320,17 @@ def train_worker(cfg: ExperimentConfig, resume_from: Path | None = None) -> None
     os._exit(0)
 
 
-def _fresh_training(cfg: ExperimentConfig, data: PreparedData) -> TrainState:
-    """Models, optimiser and chunk sampler over the prepared training features."""
+def _fresh_training(
+    cfg: ExperimentConfig, data: PreparedData, progress: bool = False
+) -> TrainState:
+    """Models, optimiser and chunk sampler over the prepared training features (the extractor
+    from train.init_from, the head imprinted, when the config names one)."""
     utts, labels = data.train_labels()
     feats = [data.train_feats[u] for u in utts]
-    return init_training(centralised_config(cfg), feats, labels, len(data.train_speakers()))
+    init = None if data.init is None else data.init.extractor
+    return init_training(
+        centralised_config(cfg), feats, labels, len(data.train_speakers()), init, progress
+    )
 
 
 def _federated_and_finish(

@@ -134,13 +134,48 @@ class TrainState:
         torch.set_rng_state(ckpt["torch_rng"])
 
 
+@torch.no_grad()
+def imprint_head(
+    head: AAMSoftmax,
+    extractor: nn.Module,
+    feats: list[np.ndarray],
+    labels: np.ndarray,
+    max_frames: int,
+    progress: bool = False,
+) -> None:
+    """Set each class vector to its speaker's mean unit-length embedding under `extractor`
+    (weight imprinting): a pretrained extractor then starts with a head that already
+    separates the new speakers, so fine-tuning refines it instead of erasing it."""
+    from fedvox.eval.extract import embed_utterances
+    from fedvox.progress import task_progress
+
+    with task_progress("imprint head", len(feats), enabled=progress) as tick:
+        emb = embed_utterances(extractor, feats, max_frames=max_frames, progress=tick)
+    unit = torch.nn.functional.normalize(torch.from_numpy(emb).double(), dim=1)
+    sums = torch.zeros(head.n_classes, unit.shape[1], dtype=torch.float64)
+    sums.index_add_(0, torch.from_numpy(np.asarray(labels, dtype=np.int64)), unit)
+    empty = sums.norm(dim=1) == 0
+    if bool(empty.any()):
+        raise ValueError(f"imprint_head: {int(empty.sum())} classes have no utterances")
+    head.weight.copy_(torch.nn.functional.normalize(sums, dim=1).to(head.weight))
+
+
 def init_training(
-    cfg: CentralisedConfig, feats: list[np.ndarray], labels: np.ndarray, n_speakers: int
+    cfg: CentralisedConfig,
+    feats: list[np.ndarray],
+    labels: np.ndarray,
+    n_speakers: int,
+    init_extractor: nn.Module | None = None,
+    progress: bool = False,
 ) -> TrainState:
-    """Fresh models (on cfg.train.device), optimiser and chunk sampler for a config."""
+    """Fresh models (on cfg.train.device), optimiser and chunk sampler for a config; with
+    `init_extractor`, the extractor starts from its weights and the head is imprinted."""
     device = resolve_device(cfg.train.device)
     set_determinism(cfg.train.threads, cfg.train.device)
     extractor, head = build_models(cfg, feats[0].shape[1], n_speakers)
+    if init_extractor is not None:
+        extractor.load_state_dict(init_extractor.state_dict())
+        imprint_head(head, extractor, feats, labels, cfg.train.chunk_frames[1], progress)
     extractor.to(device)
     head.to(device)
     opt = make_optimizer([*extractor.parameters(), *head.parameters()], cfg.train)
