@@ -23,6 +23,7 @@ from fedvox.experiment.repro import (
     CONC_TRIPS,
     STUDIES,
     _fedbuff_ratios,
+    _target_sensitivity,
     add_trips_to_target,
     arm_config,
     study_order,
@@ -128,6 +129,15 @@ def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
     assert by["buff-k100"]["trips_to_target"] is None  # never reached: reported, not a line
     assert "trips_to_target" not in by["public-only"]
     assert _fedbuff_ratios(rows) == f"C=100: {75 / 45:.2f}x"
+    # other targets: 0.25 / 0.75 of the way (0.2775 / 0.2325); FedAvgM's fewest trips per
+    # target over its lrs, FedBuff K = 10's trips
+    table = _target_sensitivity(rows)
+    assert table[5].startswith("| 0.25 | 27.75% | ") and table[6].startswith("| 0.5 | 25.50% |")
+    avg_q, buff_q = 100 * 0.0225 / 0.06, 50 * 0.0225 / 0.05
+    assert table[5].endswith(f"| {avg_q / buff_q:.2f}x |")
+    assert table[6].endswith(f"| {75 / 45:.2f}x |")
+    avg_3q, buff_3q = 100 + 100 * 0.0075 / 0.02, 50 + 50 * 0.0175 / 0.02
+    assert table[7] == f"| 0.75 | 23.25% | {avg_3q / buff_3q:.2f}x |"
     # without the public-only row: the worst of the lines' best EERs (every line reaches it)
     assert add_trips_to_target(rows[1:]) == pytest.approx(0.23)
     # FedAvgM short of the target: its budget over FedBuff's trips is a lower bound
@@ -137,6 +147,8 @@ def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
     assert by["avg-hi"]["on_line"] and by["avg-hi"]["trips_to_target"] is None
     got = _fedbuff_ratios(rows)
     assert got.startswith("C=100: >") and float(got.split(">")[1][:-1]) > 300 / 50
+    # now FedBuff's 0.22 is the best line's best: 0.75 of the way is 0.24, at 75 trips
+    assert _target_sensitivity(rows)[-1] == f"| 0.75 | 24.00% | >{300 / 75:.2f}x |"
 
 
 def test_concurrency_study_end_to_end_on_a_tiny_world(tmp_path: Path) -> None:

@@ -1235,6 +1235,59 @@ def _concurrency_table(rows: list[dict]) -> list[str]:
     ratios = _fedbuff_ratios(rows)
     if ratios:
         out += ["", "FedAvgM (best lr) trips to target / FedBuff's, per C: " + ratios]
+    out += _target_sensitivity(rows)
+    return out
+
+
+CONC_SENSITIVITY_SHARES = (0.25, 0.5, 0.75)
+
+
+def _target_sensitivity(rows: list[dict]) -> list[str]:
+    """FedAvgM / FedBuff (K = 10) trips to target per C at targets CONC_SENSITIVITY_SHARES of
+    the way from public-only to the best line's best: whether the ratio holds beyond the one
+    target. FedAvgM takes, per target, its fewest trips over the lr grid; ">x": no lr got
+    there (its budget over FedBuff's trips), "—": FedBuff did not."""
+    from fedvox.experiment.compare import load_curve, to_target
+
+    start = next((r["eer"] for r in rows if r.get("arm") == "public-only"), None)
+    line = [r for r in rows if r.get("on_line")]
+    if start is None or not line:
+        return []
+    best = min(r["best_eer"] for r in line)
+    if best >= start:
+        return []
+    levels = sorted({r["concurrency"] for r in line})
+    curves = {
+        r["arm"]: load_curve(r["folder"])
+        for r in rows
+        if r.get("algorithm") in ("fedavgm", "fedbuff") and r.get("trips")
+    }
+    out = [
+        "",
+        "FedAvgM (its fewest trips over the lr grid) / FedBuff (K = 10) trips, at other targets:",
+        "",
+        "| share of the way | target EER | " + " | ".join(f"C = {c:,}" for c in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for share in CONC_SENSITIVITY_SHARES:
+        target = start - share * (start - best)
+        cells = []
+        for c in levels:
+            at_c = [r for r in rows if r["arm"] in curves and r["concurrency"] == c]
+            buff = next(
+                (r for r in at_c if r["algorithm"] == "fedbuff" and r["buffer"] == CONC_BUFFER),
+                None,
+            )
+            b = None if buff is None else to_target(curves[buff["arm"]], target)[0]
+            avg = [r for r in at_c if r["algorithm"] == "fedavgm"]
+            a = [t for r in avg if (t := to_target(curves[r["arm"]], target)[0]) is not None]
+            if not b or not avg:
+                cells.append("—")
+            elif a:
+                cells.append(f"{min(a) / b:.2f}x")
+            else:
+                cells.append(f">{max(r['trips'] for r in avg) / b:.2f}x")
+        out.append(f"| {share:g} | {100 * target:.2f}% | " + " | ".join(cells) + " |")
     return out
 
 
