@@ -101,6 +101,7 @@ def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
         "buff": _curve("buff", [0, 50, 100, 150], [0.30, 0.25, 0.23, 0.22]),
         "async": _curve("async", [0, 100, 200, 300], [0.30, 0.27, 0.24, 0.23]),
         "buff-k100": _curve("buff-k100", [0, 100, 200, 300], [0.30, 0.30, 0.29, 0.29]),
+        "buff-lo": _curve("buff-lo", [0, 50, 100, 150], [0.30, 0.28, 0.26, 0.25]),
     }
     monkeypatch.setattr(compare, "load_curve", lambda folder: curves[str(folder)])
 
@@ -115,6 +116,7 @@ def test_target_and_trips_follow_the_best_fedavgm_lr(monkeypatch) -> None:
         row("buff", "fedbuff", buffer=CONC_BUFFER),
         row("async", "fedasync"),
         row("buff-k100", "fedbuff", buffer=100),
+        row("buff-lo", "fedbuff", buffer=CONC_BUFFER, server_lr=0.01),  # FedBuff's other lr
     ]
     target = add_trips_to_target(rows)
     by = {r["arm"]: r for r in rows}

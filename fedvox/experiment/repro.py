@@ -566,6 +566,10 @@ CONC_FEDAVGM_LRS: dict[int, tuple[float, ...]] = {
 # federated-gain study's gain-clusters-hi step, 0.1 per cohort of 20); the K sweep keeps
 # that step per update (lr x K / 10).
 CONC_FEDBUFF_LR = 0.05
+# FedBuff's own lr sweep where FedAvgM's needed one (added at stop 26: with lr 1.0 FedAvgM
+# reached the target in its first round at C = 1,000, against FedBuff's single lr): its
+# Figure-1 line takes the best lr per C, as FedAvgM's does
+CONC_FEDBUFF_EXTRA_LRS: dict[int, tuple[float, ...]] = {1000: (0.15,)}
 # FedAsync: one update per step mixed in at CONC_ASYNC_ALPHA (the same step per update).
 CONC_ASYNC_ALPHA = 0.005
 # client trips between two computations of the broadcast, in every arm (FedAvg at C >= 100:
@@ -650,7 +654,10 @@ def _conc_arm(algorithm: str, c: int, lr: float | None = None, k: int = CONC_BUF
         labels["server_lr"] = lr
     elif algorithm == "fedbuff":
         name = f"fedbuff-c{c}" + ("" if k == CONC_BUFFER else f"-k{k}")
-        lr = CONC_FEDBUFF_LR * k / CONC_BUFFER
+        if lr is not None:  # a point of FedBuff's own lr sweep
+            name += f"-lr{lr:g}"
+        else:
+            lr = CONC_FEDBUFF_LR * k / CONC_BUFFER
         o |= {
             "federated.algorithm": "fedbuff",
             "federated.buffer_size": k,
@@ -678,6 +685,7 @@ CONC_ARMS = (
         )
     ),
     *(_conc_arm("fedbuff", CONC_LEVELS[-1], k=k) for k in (1, 100)),
+    *(_conc_arm("fedbuff", c, lr) for c, lrs in CONC_FEDBUFF_EXTRA_LRS.items() for lr in lrs),
 )
 STUDIES["fedbuff-concurrency"] = Study(
     name="fedbuff-concurrency",
@@ -701,11 +709,15 @@ STUDIES["fedbuff-concurrency"] = Study(
             for c, lrs in CONC_FEDAVGM_LRS.items()
         )
         + " (decaying to 0.4x); FedBuff: "
-        f"K = {CONC_BUFFER}, plain server SGD lr {CONC_FEDBUFF_LR:g} (x K / 10 in the K "
-        f"sweep); FedAsync: mixing weight {CONC_ASYNC_ALPHA:g}, sqrt staleness. Target: "
-        f"{CONC_TARGET_SHARE:g} of the way from public-only's EER to the best line's best "
-        "(each line: FedBuff, FedAsync, and FedAvgM at its best lr per C); an arm that does "
-        "not reach it within the budget has no trips to target.",
+        f"K = {CONC_BUFFER}, plain server SGD lr {CONC_FEDBUFF_LR:g}"
+        + "".join(
+            f" (also {', '.join(f'{x:g}' for x in lrs)} at C = {c:,})"
+            for c, lrs in CONC_FEDBUFF_EXTRA_LRS.items()
+        )
+        + f" (x K / 10 in the K sweep); FedAsync: mixing weight {CONC_ASYNC_ALPHA:g}, sqrt "
+        f"staleness. Target: {CONC_TARGET_SHARE:g} of the way from public-only's EER to the "
+        "best line's best (each line: FedAsync, and FedAvgM and FedBuff at their best lr per "
+        "C); an arm that does not reach it within the budget has no trips to target.",
         "A quick look on a small world: --set data.world.train_devices=1000 --set "
         "federated.server_steps=2000 --set federated.eval_every=200 --set "
         "federated.checkpoint_every=200 (and --arm to pick arms).",
@@ -1184,18 +1196,17 @@ def add_trips_to_target(rows: list[dict]) -> float | None:
     curves = {r["arm"]: load_curve(r["folder"]) for r in fed}
     for r in fed:
         r["best_eer"] = float(curves[r["arm"]].eer.min())
-    best_lr: dict[int, dict] = {}
+    best_lr: dict[tuple[str, int], dict] = {}  # FedAvgM and FedBuff K = 10: best lr per C
     for r in fed:
-        c = r["concurrency"]
-        if r["algorithm"] == "fedavgm" and (
-            c not in best_lr or r["best_eer"] < best_lr[c]["best_eer"]
-        ):
-            best_lr[c] = r
+        key = (r["algorithm"], r["concurrency"])
+        swept = r["algorithm"] == "fedavgm" or (
+            r["algorithm"] == "fedbuff" and r.get("buffer") == CONC_BUFFER
+        )
+        if swept and (key not in best_lr or r["best_eer"] < best_lr[key]["best_eer"]):
+            best_lr[key] = r
     for r in fed:
         r["on_line"] = (
-            r is best_lr.get(r["concurrency"])
-            or r["algorithm"] == "fedasync"
-            or (r["algorithm"] == "fedbuff" and r.get("buffer") == CONC_BUFFER)
+            r is best_lr.get((r["algorithm"], r["concurrency"])) or r["algorithm"] == "fedasync"
         )
     line = [r for r in fed if r["on_line"]]
     if not line:
@@ -1245,7 +1256,7 @@ CONC_SENSITIVITY_SHARES = (0.25, 0.5, 0.75)
 def _target_sensitivity(rows: list[dict]) -> list[str]:
     """FedAvgM / FedBuff (K = 10) trips to target per C at targets CONC_SENSITIVITY_SHARES of
     the way from public-only to the best line's best: whether the ratio holds beyond the one
-    target. FedAvgM takes, per target, its fewest trips over the lr grid; ">x": no lr got
+    target. Each takes, per target, its fewest trips over its lrs; ">x": no FedAvgM lr got
     there (its budget over FedBuff's trips), "—": FedBuff did not."""
     from fedvox.experiment.compare import load_curve, to_target
 
@@ -1264,7 +1275,8 @@ def _target_sensitivity(rows: list[dict]) -> list[str]:
     }
     out = [
         "",
-        "FedAvgM (its fewest trips over the lr grid) / FedBuff (K = 10) trips, at other targets:",
+        "FedAvgM / FedBuff (K = 10) trips to target (each its fewest over its lrs), at other "
+        "targets:",
         "",
         "| share of the way | target EER | " + " | ".join(f"C = {c:,}" for c in levels) + " |",
         "|---|---|" + "---|" * len(levels),
@@ -1274,11 +1286,11 @@ def _target_sensitivity(rows: list[dict]) -> list[str]:
         cells = []
         for c in levels:
             at_c = [r for r in rows if r["arm"] in curves and r["concurrency"] == c]
-            buff = next(
-                (r for r in at_c if r["algorithm"] == "fedbuff" and r["buffer"] == CONC_BUFFER),
-                None,
-            )
-            b = None if buff is None else to_target(curves[buff["arm"]], target)[0]
+            buffs = [r for r in at_c if r["algorithm"] == "fedbuff" and r["buffer"] == CONC_BUFFER]
+            reached = [
+                t for r in buffs if (t := to_target(curves[r["arm"]], target)[0]) is not None
+            ]
+            b = min(reached) if reached else None
             avg = [r for r in at_c if r["algorithm"] == "fedavgm"]
             a = [t for r in avg if (t := to_target(curves[r["arm"]], target)[0]) is not None]
             if not b or not avg:
