@@ -14,9 +14,16 @@ from fedvox.experiment.repro import DP_SCALE_EPSILONS, STUDIES, arm_config
 STUDY = STUDIES["dp-scale"]
 
 
+def training_devices(cfg) -> int:
+    """N: the world's devices less the held-out panel (its devices do not train)."""
+    r = cfg.federated.reconstruction
+    assert r.panel == "held_out" and r.device_clusters > 0
+    return cfg.data.world.train_devices - r.cluster_panel
+
+
 def reference_epsilon(cfg, z: float) -> float:
     """ε of the arm's plan straight from dp-accounting (no fedvox accountant involved)."""
-    f, n = cfg.federated, cfg.data.world.train_devices
+    f, n = cfg.federated, training_devices(cfg)
     p = f.privacy
     if p.mechanism == "gaussian":
         event = dp_accounting.SelfComposedDpEvent(
@@ -51,7 +58,7 @@ def test_every_dp_arm_spends_at_most_its_epsilon_and_not_much_less(sets, mechani
         cfg = arm_config(STUDY, arm, sets)
         if cfg.federated is None or cfg.federated.privacy.mechanism == "none":
             continue
-        p, n = cfg.federated.privacy, cfg.data.world.train_devices
+        p, n = cfg.federated.privacy, training_devices(cfg)
         assert p.delta == pytest.approx(n**-1.1) and p.delta < 1 / n
         target = float(arm.name.rsplit("eps", 1)[1])
         seen.add((cfg.federated.algorithm, target))

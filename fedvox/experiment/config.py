@@ -612,6 +612,13 @@ class ReconstructionSection(_Strict):
         "(federated k-means over secure-aggregated cluster sums), added to the public ones",
     )
     cluster_panel: int = Field(1000, ge=2, description="devices whose first chunk they cluster")
+    panel: Literal["training", "held_out"] = Field(
+        "training",
+        description="who the centre / cluster panel is: devices that also train "
+        '("training"), or devices kept out of training that released their panel embeddings '
+        '("held_out", e.g. opt-in devices: the cluster panel, else the centre panel; the '
+        "others are the training population, and a DP run's accountant counts only them)",
+    )
     cluster_min_devices: int = Field(
         10, ge=1, description="clusters with fewer panel devices are dropped (never revealed)"
     )
@@ -921,8 +928,8 @@ class ExperimentConfig(_Strict):
 
         Over what decides the bits: federated.backend (where client training runs: the same
         bits on any backend) is left out, and so are train.device when it is the default
-        "cpu", train.workers when it is 1, train.init_from when None, federated.pack_clients when false and
-        reconstruction.broadcast_every when 1, so configs from before these fields keep their
+        "cpu", train.workers when it is 1, train.init_from when None, federated.pack_clients when false,
+        reconstruction.broadcast_every when 1 and reconstruction.panel when "training", so configs from before these fields keep their
         hash."""
         d = self.to_dict()
         if d["train"].get("device") == "cpu":
@@ -938,6 +945,8 @@ class ExperimentConfig(_Strict):
             recon = d["federated"].get("reconstruction") or {}
             if recon.get("broadcast_every") == 1:
                 del recon["broadcast_every"]
+            if recon.get("panel") == "training":
+                del recon["panel"]
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -80,6 +80,10 @@ def check_deployable(cfg: ExperimentConfig) -> None:
             f.reconstruction.broadcast_every != 1,
             "the deployed server computes every version's broadcast; set 1",
         ),
+        "federated.reconstruction.panel": (
+            f.reconstruction.panel != "training",
+            'a held-out panel is simulated only; set "training"',
+        ),
     }
     for field, (bad, fix) in refusals.items():
         if bad:

@@ -26,6 +26,7 @@ from fedvox.experiment.config import (
     FEDERATED_PATHS,
     ExperimentConfig,
     FederatedSection,
+    ReconstructionSection,
     toml_paths,
 )
 from fedvox.experiment.evaluate import quick_eval
@@ -318,6 +319,7 @@ def _local_speakers(
     assert f is not None
     r = f.reconstruction
     y = store["y"].numpy()
+    sources, clients = panel_split(clients, r)
     max_local = max(len(np.unique(y[c])) for c in clients)
     task = recon_task(cfg, data.feat_dim, max_local, data.init)
     population = speaker_population(store, clients, seed=cfg.seed, max_local=max_local, **crops)
@@ -328,8 +330,8 @@ def _local_speakers(
         )
 
     def panel_of(n: int) -> torch.Tensor:  # the first chunk of n devices spread over the list
-        pick = np.linspace(0, len(clients) - 1, min(n, len(clients))).astype(int)
-        return store["x"][[int(clients[c][0]) for c in pick]]
+        pick = spread(len(sources), n)
+        return store["x"][[int(sources[c][0]) for c in pick]]
 
     panel, clusters = None, None
     extra_down = public.broadcast_bytes(task.emb_dim)
@@ -348,6 +350,35 @@ def _local_speakers(
     update = received_broadcast_update(r.recon_config())
     broadcast = make_version_broadcast(task, public, centre_panel=panel, clusters=clusters)
     return task, population, update, extra_down, broadcast
+
+
+def spread(n: int, k: int) -> np.ndarray:
+    """min(k, n) distinct indices spread evenly over range(n) (a panel of devices)."""
+    return np.linspace(0, n - 1, min(k, n)).astype(int)
+
+
+def panel_split(
+    clients: list[np.ndarray], r: ReconstructionSection
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(the devices the centre / cluster panels are drawn from, the devices that train).
+
+    With panel = "training" both are every device; with "held_out" the panel devices (the
+    cluster panel when there are clusters, else the centre panel, spread over the list) only
+    release their panel embeddings and do not train: the training population, and so a DP
+    run's accountant, is the rest."""
+    used = r.device_clusters > 0 or r.centre == "domain"
+    if r.panel == "training" or not used:
+        return clients, clients
+    size = r.cluster_panel if r.device_clusters else r.centre_panel
+    held = set(spread(len(clients), size).tolist())
+    if len(held) >= len(clients):
+        raise ConfigError(
+            "federated.reconstruction.panel",
+            f"a held-out panel of {len(held)} devices leaves none of the {len(clients)} to train",
+            'use a smaller cluster_panel / centre_panel, more devices, or panel = "training"',
+        )
+    panel = [c for i, c in enumerate(clients) if i in held]
+    return panel, [c for i, c in enumerate(clients) if i not in held]
 
 
 def _set_margin(task: nn.Module, margin: float) -> None:
@@ -422,6 +453,9 @@ def _train(
         truncate_lines(trips_path, ckpt["log_lines"]["trips"])
     else:
         setup.partition.save(run.path / PARTITION_FILE)
+        if f.speakers == "local" and f.reconstruction.panel == "held_out":
+            # the partition lists every device; the held-out panel's devices do not train
+            run.update_manifest(training_devices=sim.population.num_clients)
         truncate_lines(run.metrics_path, 0)
         truncate_lines(trips_path, 0)
     t0 = time.perf_counter()
