@@ -449,10 +449,13 @@ def repro(
     fedbuff-concurrency counts client trips to a common target EER for
     FedAvgM, FedBuff (K = 10) and FedAsync at 10, 100 and 1,000 devices in
     flight on a 10,000-device world (the FedBuff paper's Figure 1);
-    dp-scale puts ε = 8 and 4 on the same world. The first takes about
-    2 h 15 min with two arms side by side on two cores (the world ~15 min),
-    dp-scale longer; a quick look on a small world, about 5 minutes an arm
-    (C = 1,000 needs the full world):
+    dp-scale puts ε = 8 and 4 on the same world (1,000 opt-in devices held
+    out as the centroid panel, ε covering the 9,000 that train). The first
+    takes about 2 h 15 min with two arms side by side on two cores (the world
+    ~15 min), dp-scale about 1 h 30 min for its six arms (references shared:
+    link runs/dp/public-only and pooled-oracle to the concurrency study's);
+    a quick look on a small world, about 5 minutes an arm (C = 1,000 needs
+    the full world):
 
       fedvox repro fedbuff-concurrency --set data.world.train_devices=1000
         --set federated.server_steps=2000 --set federated.eval_every=200
