@@ -82,3 +82,22 @@ def test_least_noise_multiplier_searches_both_ways() -> None:
     for start in (0.1, 3.0):  # from below (overspends) and from above (already fits)
         z = least_noise_multiplier(eps, 4.0, start)
         assert eps(z) <= 4.0 < eps(0.99 * z)
+
+
+def test_the_dp_table_gives_each_arm_its_own_epsilon_delta_and_noise() -> None:
+    from fedvox.experiment.repro import _dp_table
+
+    rows = [
+        {"arm": "public-only", "epsilon": None, "trips": None, "eer": 0.1835,
+         "min_dcf_01": 0.985, "gap_closed": 0.0},
+        {"arm": "fedavg-nodp", "epsilon": None, "trips": 5000, "eer": 0.15, "min_dcf_01": 0.9,
+         "gap_closed": 0.38},
+        {"arm": "fedavg-gaussian-eps8", "epsilon": 7.987, "delta": 4.4703e-05,
+         "noise_multiplier": 0.528, "trips": 5000, "eer": 0.16, "min_dcf_01": 0.95,
+         "gap_closed": 0.27},
+    ]  # fmt: skip
+    table = _dp_table(rows)
+    assert table[0].startswith("| arm | ε | δ | noise z |")
+    assert table[2] == "| public-only | — (centralised) | — | — | 18.35% | 0.985 | 0.00 |"
+    assert table[3] == "| fedavg-nodp | ∞ (no DP) | — | — | 15.00% | 0.900 | 0.38 |"
+    assert table[4] == "| fedavg-gaussian-eps8 | 7.99 | 4.47e-05 | 0.528 | 16.00% | 0.950 | 0.27 |"

@@ -994,6 +994,8 @@ def _arm_row(arm: Arm, folder: Path) -> dict[str, Any]:
         "mb_down_per_trip": down / trips / 1e6 if trips and down is not None else None,
         "server_sees": arm.server_sees,
         "epsilon": result.get("privacy", {}).get("epsilon"),
+        "delta": result.get("privacy", {}).get("delta"),
+        "noise_multiplier": result.get("privacy", {}).get("noise_multiplier"),
         "offset": result.get("test_speaker_offset"),
         "folder": str(folder),
         **arm.labels,
@@ -1048,16 +1050,19 @@ def _speakers_table(rows: list[dict]) -> list[str]:
 def _dp_table(rows: list[dict]) -> list[str]:
     gap = any("gap_closed" in r for r in rows)
     out = [
-        "| arm | ε (δ = 1e-4) | device EER | minDCF (p=0.01) |" + (" gap closed |" if gap else ""),
-        "|---|---|---|---|" + ("---|" if gap else ""),
+        "| arm | ε | δ | noise z | device EER | minDCF (p=0.01) |"
+        + (" gap closed |" if gap else ""),
+        "|---|---|---|---|---|---|" + ("---|" if gap else ""),
     ]
     for r in rows:
         eps = "∞ (no DP)" if r["epsilon"] is None else f"{r['epsilon']:.2f}"
         if r["trips"] is None:
             eps = "— (centralised)"
+        delta = "—" if r.get("delta") is None else f"{r['delta']:.3g}"
         gap_cell = f" {_num(r.get('gap_closed'), '.2f')} |" if gap else ""
         out.append(
-            f"| {r['arm']} | {eps} | {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |{gap_cell}"
+            f"| {r['arm']} | {eps} | {delta} | {_num(r.get('noise_multiplier'), 'g')} "
+            f"| {100 * r['eer']:.2f}% | {r['min_dcf_01']:.3f} |{gap_cell}"
         )
     return out
 
