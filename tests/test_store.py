@@ -209,3 +209,36 @@ def test_checksum_guards_payload(tmp_path):
     st.path(key).write_bytes(st.path(key).with_suffix(".npy").read_bytes())
     with pytest.warns(UserWarning, match="corrupt"):
         assert st.get(key) is None
+
+
+def test_an_unchanged_audio_file_is_not_read_again_and_a_changed_one_is(tmp_path, monkeypatch):
+    from tiny_corpus import write_kaldi_dir
+
+    from fedvox.data.audio import write_audio
+    from fedvox.data.corpus import Corpus, load_kaldi_dir
+
+    root = write_kaldi_dir(tmp_path / "kaldi", {"a": 2, "b": 2})
+    corpus = load_kaldi_dir(root)
+    cfg = FeatureConfig(fbank=FbankConfig(num_mel_bins=30))
+    first = extract_corpus(corpus, cfg, FeatureStore(tmp_path / "st"), workers=1, progress=False)
+    reads: list[str] = []
+    real_load = Corpus.load
+    monkeypatch.setattr(Corpus, "load", lambda self, u: reads.append(u) or real_load(self, u))
+    again = FeatureStore(tmp_path / "st")
+    cached = extract_corpus(corpus, cfg, again, workers=1, progress=False)
+    assert reads == [] and again.stats.hits == 4 and again.stats.computed == 0
+    assert all(cached[u].tobytes() == first[u].tobytes() for u in first)
+    # a rewritten file (other samples, so another size or mtime) is read and recomputed
+    utt = corpus.utt_ids()[0]
+    rng = np.random.default_rng(5)
+    write_audio(corpus[utt].path, (0.1 * rng.standard_normal(8000)).astype(np.float32))
+    changed = FeatureStore(tmp_path / "st")
+    new = extract_corpus(corpus, cfg, changed, workers=1, progress=False)
+    assert reads == [utt] and changed.stats.computed == 1
+    assert new[utt].shape != first[utt].shape
+    # a damaged index entry falls back to reading the audio (the content key decides)
+    source = corpus.source_of(corpus.utt_ids()[1])
+    FeatureStore(tmp_path / "st").source_path(source, cfg).write_text("not a key")
+    reads.clear()
+    extract_corpus(corpus, cfg, FeatureStore(tmp_path / "st"), workers=1, progress=False)
+    assert reads == [corpus.utt_ids()[1]]

@@ -142,6 +142,16 @@ class Corpus:
             keep = [u for u in keep if u.speaker in wanted_spk]
         return Corpus(self.name, self.root, list(keep), self.sample_rate)
 
+    def source_of(self, utt_id: str) -> str | None:
+        """What names an utterance's samples without reading them (file, size, mtime in ns,
+        segment, rate), for the feature store's source index; None if the file is missing."""
+        utt = self._by_id[utt_id]
+        try:
+            st = utt.path.stat()
+        except OSError:
+            return None
+        return f"{utt.path}|{st.st_size}|{st.st_mtime_ns}|{utt.start}|{utt.end}|{self.sample_rate}"
+
     def load(self, utt_id: str) -> np.ndarray:
         """Samples of one utterance (its segment, if it is one), float32 mono."""
         utt = self._by_id[utt_id]
