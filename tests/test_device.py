@@ -108,12 +108,15 @@ def test_the_config_hash_ignores_the_default_device_workers_packing_and_the_back
     d["federated"].pop("backend", None)
     del d["federated"]["pack_clients"]
     del d["federated"]["reconstruction"]["broadcast_every"]
+    del d["federated"]["reconstruction"]["panel"]
     old = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
     assert cfg.hash() == old  # run folders from before these fields keep their hash
     assert config_from_dict({"federated": {}, "train": {"device": "cuda"}}).hash() != old
     assert config_from_dict({"federated": {"pack_clients": True}}).hash() != old  # other bits
     stale = {"federated": {"reconstruction": {"broadcast_every": 10}}}
     assert config_from_dict(stale).hash() != old
+    held = {"federated": {"reconstruction": {"panel": "held_out"}}}
+    assert config_from_dict(held).hash() != old  # other devices train
     one = config_from_dict({})
     assert config_from_dict({"train": {"workers": 2}}).hash() != one.hash()  # decides bits
     assert config_from_dict({"train": {"init_from": "public"}}).hash() != one.hash()
