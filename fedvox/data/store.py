@@ -163,9 +163,12 @@ class FeatureStore:
                 os.unlink(tmp)
             raise
 
-    def get_or_compute(self, wave: np.ndarray, cfg: FeatureConfig) -> np.ndarray:
-        """Cached features of `wave` under `cfg`, extracting and storing them on a miss."""
-        key = self.key(wave, cfg)
+    def get_or_compute(
+        self, wave: np.ndarray, cfg: FeatureConfig, key: str | None = None
+    ) -> np.ndarray:
+        """Cached features of `wave` under `cfg`, extracting and storing them on a miss
+        (`key`: self.key(wave, cfg) when the caller has it already)."""
+        key = self.key(wave, cfg) if key is None else key
         feats = self.get(key)
         if feats is None:
             feats = extract_features(wave, cfg)
@@ -208,9 +211,10 @@ def _features_for(
         if store is None:
             out[utt] = extract_features(wave, cfg)
             continue
-        out[utt] = store.get_or_compute(wave, cfg)
+        key = store.key(wave, cfg)
+        out[utt] = store.get_or_compute(wave, cfg, key)
         if source is not None:
-            store.remember_source(source, cfg, store.key(wave, cfg))
+            store.remember_source(source, cfg, key)
     return out
 
 
